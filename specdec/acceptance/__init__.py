@@ -1,0 +1,47 @@
+"""Acceptance rules: which drafted tokens to keep, and the target's own next token.
+
+One implementation per framework, with the same semantics, defined here once:
+``torch_rule`` (PyTorch, CUDA-graph capturable) and ``jax_rule`` (pure JAX, jit-able with static
+K and params). Neither is imported here, so each needs only its own framework installed.
+
+Shapes: B rows (sequences), K drafted tokens per row (static, may be 0), V vocabulary.
+``draft_tokens [B, K]`` int, ``draft_len [B]`` int in [0, K] (entries at positions >= draft_len are
+padding and never read as drafts), ``target_logits [B, K+1, V]``: row i is the target's logits
+after the pending token and the first i drafts.
+
+warp_probs(logits [..., V], params) -> probs [..., V] float32
+    The distribution a request samples from, identical for target and draft. In float32:
+    temperature (divide), then top-k, then top-p, then min-p, then softmax, matching Hugging
+    Face's TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper
+    (min_tokens_to_keep=1):
+    - top-k keeps every token whose logit is >= the k-th largest (ties at the k-th all stay);
+    - top-p sorts ascending, takes the cumulative softmax and removes tokens whose cumulative
+      probability is <= 1 - top_p, always keeping the most likely token. Among equal logits the
+      higher token id sorts lower and so is removed first (HF's sort leaves that order unspecified);
+    - min-p removes tokens whose probability (after the filters before it) is < min_p * max prob.
+    Greedy params (temperature 0) give a one-hot at the argmax.
+
+accept_greedy(draft_tokens, draft_len, target_logits) -> (num_accepted [B], next_token [B])
+    num_accepted = the longest prefix of the first draft_len drafts where each draft equals the
+    argmax of its target row; next_token = argmax of row num_accepted (the correction at the first
+    mismatch, or the bonus at row draft_len). argmax ties break to the lowest token id:
+    torch.argmax and jnp.argmax both return the first maximal index. With K = 0 this is plain
+    greedy decoding.
+
+accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, rng)
+        -> (num_accepted [B], next_token [B])
+    Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023) with
+    p = warp_probs(target_logits, params). draft_probs [B, K, V] is q, the exact distribution each
+    draft token was sampled from (the drafter's warp_probs output); None means a deterministic
+    drafter, i.e. q is a point mass on each draft token. Draft i is accepted when u_i * q(x_i) <
+    p(x_i) with u_i ~ U[0, 1), i.e. with probability min(1, p/q). At the first rejection the
+    next token is drawn from max(0, p - q) (normalised; for a point mass: p with x zeroed); if
+    that residual has no mass (p == q) it is drawn from p. If all draft_len drafts are accepted,
+    the bonus is drawn from p at row draft_len. Every emitted token is then distributed exactly
+    as the target alone would sample it. With greedy params it returns what accept_greedy does.
+    rng is a torch.Generator (torch) or a PRNG key (JAX), seeded per request so runs reproduce.
+    The random draws per call are fixed in shape ([B, K] uniforms, then [B, V] Gumbel noise),
+    independent of the data.
+
+All functions are vectorised over B and V, return device arrays and need no host sync.
+"""

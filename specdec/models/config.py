@@ -1,0 +1,283 @@
+"""GemmaConfig: the text model of a Gemma 3 / Gemma 4 checkpoint, read from its Hugging Face config.json.
+
+Everything both frameworks need to build the model is resolved here once (per-layer head sizes, which
+layer owns which KV cache, RoPE tables' parameters), so torch_gemma and jax_gemma share one spec.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdec.errors import SpecdecError
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma4_text", "gemma4")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    rope_type: str = "default"  # default | linear | proportional
+    partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one decoder layer looks like, resolved from the config."""
+
+    index: int
+    kind: str  # SLIDING or FULL
+    head_dim: int
+    num_kv_heads: int
+    k_eq_v: bool  # no v_proj: V is the parameter-free RMS norm of the raw K projection
+    kv_source: int  # layer whose cache this layer reads (itself unless KV-shared)
+    intermediate_size: int
+
+    @property
+    def owns_cache(self) -> bool:
+        return self.kv_source == self.index
+
+
+@dataclass(frozen=True)
+class GemmaConfig:
+    model_type: str  # gemma3_text | gemma4_text (a gemma4 checkpoint reads as its text_config)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    rope: dict[str, RopeSpec]
+    rms_norm_eps: float = 1e-6
+    hidden_activation: str = "gelu_pytorch_tanh"
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 131072
+    bos_token_id: int = 2
+    eos_token_ids: tuple[int, ...] = (1,)
+    pad_token_id: int = 0
+    # Gemma 4
+    global_head_dim: int | None = None
+    num_global_kv_heads: int | None = None
+    attention_k_eq_v: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    enable_moe_block: bool = False
+    num_experts: int = 0
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
+    layers: tuple[LayerSpec, ...] = field(default=(), compare=False)
+
+    @property
+    def is_gemma4(self) -> bool:
+        return self.model_type == "gemma4_text"
+
+    @property
+    def norm_weight_offset(self) -> float:
+        """Gemma 3 RMSNorm scales by (1 + w); Gemma 4 by w."""
+        return 0.0 if self.is_gemma4 else 1.0
+
+    @property
+    def attention_scale(self) -> float:
+        if self.is_gemma4:
+            return 1.0
+        return float(self.query_pre_attn_scalar) ** -0.5
+
+    @property
+    def has_per_layer_inputs(self) -> bool:
+        return self.hidden_size_per_layer_input > 0
+
+    def layer(self, i: int) -> LayerSpec:
+        return self.layers[i]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "GemmaConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise SpecdecError(
+                f"{source}: unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if model_type == "gemma4":
+            if "text_config" not in raw:
+                raise SpecdecError(f"{source}: model_type 'gemma4' needs a 'text_config'")
+            raw = dict(raw["text_config"], model_type="gemma4_text")
+            model_type = "gemma4_text"
+        return _parse(raw, model_type, source)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "GemmaConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise SpecdecError(f"{path}: no config.json") from None
+        except (OSError, json.JSONDecodeError) as e:
+            raise SpecdecError(f"{path}: unreadable config ({e})") from None
+        return cls.from_dict(raw, str(path))
+
+
+def _required(raw: dict, key: str, source: str):
+    if raw.get(key) is None:
+        raise SpecdecError(f"{source}: missing field {key!r}")
+    return raw[key]
+
+
+def _rope_specs(raw: dict, model_type: str, source: str) -> dict[str, RopeSpec]:
+    params = raw.get("rope_parameters")
+    if params is None:  # older Gemma 3 configs: rope_theta + rope_local_base_freq + rope_scaling
+        full = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 1_000_000.0)}
+        if raw.get("rope_scaling"):
+            full.update(raw["rope_scaling"])
+        params = {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": raw.get("rope_local_base_freq", 10_000.0)}}
+        if model_type == "gemma4_text":
+            params = {
+                SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+            }
+    specs = {}
+    for kind in (SLIDING, FULL):
+        p = params.get(kind)
+        if p is None:
+            raise SpecdecError(f"{source}: rope_parameters has no {kind!r}")
+        rope_type = p.get("rope_type", p.get("type", "default"))
+        if rope_type not in ("default", "linear", "proportional"):
+            raise SpecdecError(f"{source}: unsupported rope_type {rope_type!r} for {kind}")
+        specs[kind] = RopeSpec(
+            theta=float(_required(p, "rope_theta", f"{source} rope_parameters.{kind}")),
+            rope_type=rope_type,
+            partial_rotary_factor=float(p.get("partial_rotary_factor", 1.0)),
+            factor=float(p.get("factor", 1.0)),
+        )
+    return specs
+
+
+def _global_overrides(raw: dict, layer_types: list[str]) -> tuple[int | None, int | None]:
+    """Full-attention layers' head_dim and KV heads: `global_head_dim` / `num_global_key_value_heads` as in
+    released checkpoints, or the `per_layer_config` that transformers writes when it saves a config."""
+    per_layer = raw.get("per_layer_config")
+    if per_layer:
+        first_full = layer_types.index(FULL)
+        entry = per_layer.get(str(first_full), per_layer.get(first_full, {}))
+        return entry.get("head_dim"), entry.get("num_key_value_heads")
+    global_kv = raw.get("num_global_key_value_heads") if raw.get("attention_k_eq_v") else None
+    return raw.get("global_head_dim", 512), global_kv
+
+
+def _kv_sources(layer_types: list[str], num_shared: int, source: str) -> list[int]:
+    """KV-shared layers (the last `num_shared`) read the cache of the last non-shared layer of their kind."""
+    n = len(layer_types)
+    first_shared = n - num_shared
+    sources = list(range(n))
+    for i in range(first_shared, n):
+        producers = [j for j in range(first_shared) if layer_types[j] == layer_types[i]]
+        if not producers:
+            raise SpecdecError(f"{source}: KV-shared layer {i} ({layer_types[i]}) has no earlier layer of its kind")
+        sources[i] = producers[-1]
+    return sources
+
+
+def _parse(raw: dict, model_type: str, source: str) -> GemmaConfig:
+    req = lambda key: _required(raw, key, source)  # noqa: E731
+    num_layers = int(req("num_hidden_layers"))
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    layer_types = list(layer_types)
+    if len(layer_types) != num_layers:
+        raise SpecdecError(f"{source}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    for t in layer_types:
+        if t not in (SLIDING, FULL):
+            raise SpecdecError(f"{source}: unsupported layer type {t!r}")
+
+    eos = raw.get("eos_token_id", 1)
+    eos = tuple(eos) if isinstance(eos, list) else (int(eos),)
+    is4 = model_type == "gemma4_text"
+    head_dim = int(req("head_dim"))
+    num_kv_heads = int(req("num_key_value_heads"))
+    intermediate = int(req("intermediate_size"))
+
+    kwargs: dict[str, Any] = {}
+    global_head_dim = global_kv_heads = None
+    k_eq_v = False
+    num_shared = 0
+    if is4:
+        if FULL in layer_types:
+            global_head_dim, global_kv_heads = _global_overrides(raw, layer_types)
+        k_eq_v = bool(raw.get("attention_k_eq_v", False))
+        num_shared = int(raw.get("num_kv_shared_layers") or 0)
+        moe = bool(raw.get("enable_moe_block", False))
+        kwargs.update(
+            global_head_dim=global_head_dim,
+            num_global_kv_heads=global_kv_heads,
+            attention_k_eq_v=k_eq_v,
+            hidden_size_per_layer_input=int(raw.get("hidden_size_per_layer_input") or 0),
+            vocab_size_per_layer_input=int(raw.get("vocab_size_per_layer_input") or 0),
+            num_kv_shared_layers=num_shared,
+            use_double_wide_mlp=bool(raw.get("use_double_wide_mlp", False)),
+            enable_moe_block=moe,
+        )
+        if moe:
+            kwargs.update(
+                num_experts=int(req("num_experts")),
+                top_k_experts=int(req("top_k_experts")),
+                moe_intermediate_size=int(req("moe_intermediate_size")),
+            )
+    else:
+        kwargs.update(
+            query_pre_attn_scalar=float(req("query_pre_attn_scalar")),
+            attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+        )
+
+    sources = _kv_sources(layer_types, num_shared, source)
+    layers = []
+    for i, kind in enumerate(layer_types):
+        is_full = kind == FULL
+        shared = sources[i] != i
+        layers.append(
+            LayerSpec(
+                index=i,
+                kind=kind,
+                head_dim=int(global_head_dim) if (is4 and is_full and global_head_dim) else head_dim,
+                num_kv_heads=int(global_kv_heads) if (is4 and is_full and global_kv_heads) else num_kv_heads,
+                k_eq_v=k_eq_v and is_full,
+                kv_source=sources[i],
+                intermediate_size=intermediate * (2 if is4 and shared and kwargs["use_double_wide_mlp"] else 1),
+            )
+        )
+
+    return GemmaConfig(
+        model_type=model_type,
+        vocab_size=int(req("vocab_size")),
+        hidden_size=int(req("hidden_size")),
+        intermediate_size=intermediate,
+        num_layers=num_layers,
+        num_heads=int(req("num_attention_heads")),
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        layer_types=tuple(layer_types),
+        sliding_window=int(req("sliding_window")),
+        rope=_rope_specs(raw, model_type, source),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        hidden_activation=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
+        bos_token_id=int(raw.get("bos_token_id", 2)),
+        eos_token_ids=eos,
+        pad_token_id=int(raw.get("pad_token_id") or 0),
+        layers=tuple(layers),
+        **kwargs,
+    )

@@ -1,0 +1,438 @@
+"""Gemma 3 / Gemma 4 text models in PyTorch, over a static preallocated KV cache.
+
+One forward runs T new tokens per row at absolute positions against the cache as it stands, then commits
+their keys/values. Nothing is allocated per token on the host and every shape is fixed by (B, T), so a
+forward of a given T can be captured in a CUDA graph and replayed.
+
+Cache semantics (shared with the JAX model, see DESIGN.md):
+- sliding layers keep a ring of `window + k_max` slots (a rejected draft never overwrites a position still
+  inside the next query's window); full layers keep `max_seq_len` slots. Each slot stores the absolute
+  position written there; masks come from stored positions.
+- a chunk sees cached slots with position < its first position, plus itself causally. Rolling back
+  rejected drafts is therefore free: the next chunk simply starts at the first rejected position.
+- k_eq_v layers store one tensor, the normed raw K projection, which *is* V; K is rebuilt from it
+  (times k_norm's weight, then RoPE at the stored positions) when read.
+- KV-shared layers read their producer's cache and the producer's new keys/values of this chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec
+
+# Experts are gathered per token while that reads fewer weights than running every expert densely.
+def _gather_experts(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    return num_tokens * top_k < num_experts
+
+
+def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies over head_dim/2 pairs (rotate-half layout). Proportional RoPE rotates the first
+    partial_rotary_factor of the pairs, with frequencies taken over the full head_dim, and leaves the rest."""
+    if spec.rope_type == "proportional":
+        rotated = int(spec.partial_rotary_factor * head_dim // 2)
+        inv = 1.0 / (spec.theta ** (torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / head_dim))
+        inv = torch.cat([inv, torch.zeros(head_dim // 2 - rotated)])
+    else:
+        inv = 1.0 / (spec.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return inv / spec.factor
+
+
+def rope_tables(spec: RopeSpec, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [max_len, head_dim] in float32, indexed by absolute position."""
+    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * rope_inv_freq(spec, head_dim)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    """Gemma RMSNorm in float32: Gemma 3 scales by (1 + w) with rsqrt, Gemma 4 by w with pow(-0.5)
+    (each as its reference does it, so low bits match); `with_scale=False` is Gemma 4's v-norm."""
+
+    def __init__(self, dim: int, cfg: GemmaConfig, with_scale: bool = True):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.gemma4 = cfg.is_gemma4
+        self.offset = cfg.norm_weight_offset
+        self.weight = nn.Parameter(torch.zeros(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        mean_sq = xf.pow(2).mean(-1, keepdim=True) + self.eps
+        normed = xf * (torch.pow(mean_sq, -0.5) if self.gemma4 else torch.rsqrt(mean_sq))
+        if self.weight is not None:
+            normed = normed * (self.offset + self.weight.float())
+        return normed.type_as(x)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+@dataclass
+class KVCache:
+    """Preallocated per-layer key/value storage plus the absolute position held by each slot."""
+
+    keys: list[torch.Tensor | None]  # per layer [B, n_kv, slots, head_dim]; None for KV-shared layers
+    values: list[torch.Tensor | None]  # None also for k_eq_v layers (their keys tensor holds V)
+    slot_pos: dict[str, torch.Tensor]  # kind -> [B, slots] int64, -1 = empty
+    max_seq_len: int
+    k_max: int
+
+    @classmethod
+    def allocate(cls, cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype, device) -> "KVCache":
+        slots = {FULL: max_seq_len, SLIDING: min(cfg.sliding_window + k_max, max_seq_len)}
+        keys: list[torch.Tensor | None] = []
+        values: list[torch.Tensor | None] = []
+        for spec in cfg.layers:
+            if not spec.owns_cache:
+                keys.append(None)
+                values.append(None)
+                continue
+            shape = (batch, spec.num_kv_heads, slots[spec.kind], spec.head_dim)
+            keys.append(torch.zeros(shape, dtype=dtype, device=device))
+            values.append(None if spec.k_eq_v else torch.zeros(shape, dtype=dtype, device=device))
+        slot_pos = {kind: torch.full((batch, n), -1, dtype=torch.long, device=device) for kind, n in slots.items()}
+        return cls(keys, values, slot_pos, max_seq_len, k_max)
+
+    def reset(self) -> None:
+        for pos in self.slot_pos.values():
+            pos.fill_(-1)
+
+    def slots(self, kind: str) -> int:
+        return self.slot_pos[kind].shape[1]
+
+
+@dataclass
+class ChunkContext:
+    """Per-forward tensors shared by every layer of a kind (built once per forward)."""
+
+    cos: dict[str, torch.Tensor]  # kind -> [B, T, 1, hd] for the new tokens
+    sin: dict[str, torch.Tensor]
+    cached_cos: dict[str, torch.Tensor]  # kind -> [B, 1, S, hd] at stored positions (k_eq_v rebuild)
+    cached_sin: dict[str, torch.Tensor]
+    cache_mask: dict[str, torch.Tensor]  # kind -> [B, 1, 1, T, S] bool, True = may attend
+    chunk_mask: dict[str, torch.Tensor]  # kind -> [B, 1, 1, T, T]
+    pending_writes: list  # (layer index, stored keys [B,n_kv,T,hd], values or None)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GemmaConfig, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.num_heads = cfg.num_heads
+        self.scale = cfg.attention_scale
+        self.softcap = cfg.attn_logit_softcapping
+        self.gemma4 = cfg.is_gemma4
+        hd, nkv, h = spec.head_dim, spec.num_kv_heads, cfg.hidden_size
+        self.q_proj = nn.Linear(h, cfg.num_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, cfg)
+        if spec.owns_cache:
+            self.k_proj = nn.Linear(h, nkv * hd, bias=False)
+            self.k_norm = RMSNorm(hd, cfg)
+            if not spec.k_eq_v:
+                self.v_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.v_norm = RMSNorm(hd, cfg, with_scale=False) if cfg.is_gemma4 else None
+
+    def _keys_from_stored(self, stored: torch.Tensor, cos, sin) -> torch.Tensor:
+        """k_eq_v: K = RoPE(k_norm.weight * normed raw K), from the stored normed raw K ([B, n_kv, S, hd])."""
+        k = (stored.float() * self.k_norm.weight.float()).type_as(stored)
+        return apply_rope(k, cos, sin)
+
+    def project_kv(self, x: torch.Tensor, ctx: ChunkContext):
+        """New keys/values of this chunk, [B, n_kv, T, hd] each, and what the cache stores for them."""
+        B, T, _ = x.shape
+        hd, kind = self.spec.head_dim, self.spec.kind
+        raw_k = self.k_proj(x).view(B, T, -1, hd)
+        if self.spec.k_eq_v:
+            v = self.v_norm(raw_k).transpose(1, 2)
+            k = self._keys_from_stored(v, ctx.cos[kind].transpose(1, 2), ctx.sin[kind].transpose(1, 2))
+            return k, v, (v, None)
+        k = apply_rope(self.k_norm(raw_k), ctx.cos[kind], ctx.sin[kind]).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, hd)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+        v = v.transpose(1, 2)
+        return k, v, (k, v)
+
+    def forward(self, x, ctx: ChunkContext, cache: KVCache, shared_kv: dict):
+        B, T, _ = x.shape
+        spec = self.spec
+        hd, kind, nkv = spec.head_dim, spec.kind, spec.num_kv_heads
+        groups = self.num_heads // nkv
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.num_heads, hd)), ctx.cos[kind], ctx.sin[kind])
+        # [B, n_kv, groups*T, hd]: query head h uses kv head h // groups
+        q = q.view(B, T, nkv, groups, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, groups * T, hd)
+
+        if spec.owns_cache:
+            k_new, v_new, stored = self.project_kv(x, ctx)
+            ctx.pending_writes.append((spec.index, *stored))
+            shared_kv[spec.index] = (k_new, v_new)
+        else:
+            k_new, v_new = shared_kv[spec.kv_source]
+        k_old = cache.keys[spec.kv_source]
+        v_old = cache.values[spec.kv_source]
+        if v_old is None:  # k_eq_v: the stored tensor is V; rebuild K at the stored positions
+            v_old = k_old
+            k_old = self._keys_from_stored(k_old, ctx.cached_cos[kind], ctx.cached_sin[kind])
+
+        # Attention over [cached slots | this chunk] without concatenating the cache: scores are joined
+        # for one softmax, then split again for the two value products.
+        slots = k_old.shape[2]
+        scores = torch.cat([q @ k_old.transpose(-1, -2), q @ k_new.transpose(-1, -2)], dim=-1) * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        mask = torch.cat([ctx.cache_mask[kind], ctx.chunk_mask[kind]], dim=-1)
+        scores = scores.view(B, nkv, groups, T, slots + T).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, nkv, groups * T, slots + T)
+        out = probs[..., :slots] @ v_old + probs[..., slots:] @ v_new
+        out = out.view(B, nkv, groups, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.num_heads * hd)
+        return self.o_proj(out)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: GemmaConfig):
+        super().__init__()
+        self.top_k = cfg.top_k_experts
+        self.norm = RMSNorm(cfg.hidden_size, cfg, with_scale=False)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        self.root_size = cfg.hidden_size**-0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.proj(self.norm(x) * self.scale * self.root_size)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[index], index
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: GemmaConfig):
+        super().__init__()
+        e, mi, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * mi, h))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, mi))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights/index [N, k] -> [N, H]; static shapes either way (graph-capturable)."""
+        n, k = index.shape
+        num_experts = self.gate_up_proj.shape[0]
+        if _gather_experts(n, k, num_experts):
+            gate, up = torch.einsum("nh,nkih->nki", x, self.gate_up_proj[index]).chunk(2, dim=-1)
+            out = torch.einsum("nki,nkhi->nkh", F.gelu(gate, approximate="tanh") * up, self.down_proj[index])
+            return (out * weights[..., None].to(out.dtype)).sum(dim=1)
+        # Every expert over every token, weighted by its routing weight (0 where not chosen).
+        dense_weights = torch.zeros(n, num_experts, dtype=weights.dtype, device=x.device).scatter(1, index, weights)
+        out = torch.zeros_like(x)
+        for e in range(num_experts):
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
+            out = out + y * dense_weights[:, e : e + 1].to(y.dtype)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: GemmaConfig, spec: LayerSpec):
+        super().__init__()
+        h = cfg.hidden_size
+        self.self_attn = Attention(cfg, spec)
+        self.mlp = MLP(h, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(h, cfg)
+        self.post_attention_layernorm = RMSNorm(h, cfg)
+        self.pre_feedforward_layernorm = RMSNorm(h, cfg)
+        self.post_feedforward_layernorm = RMSNorm(h, cfg)
+        self.gemma4 = cfg.is_gemma4
+        if cfg.is_gemma4:
+            self.register_buffer("layer_scalar", torch.ones(1))
+        self.has_ple = cfg.has_per_layer_inputs
+        if self.has_ple:
+            p = cfg.hidden_size_per_layer_input
+            self.per_layer_input_gate = nn.Linear(h, p, bias=False)
+            self.per_layer_projection = nn.Linear(p, h, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(h, cfg)
+        self.moe = cfg.enable_moe_block
+        if self.moe:
+            self.router = Router(cfg)
+            self.experts = Experts(cfg)
+            self.post_feedforward_layernorm_1 = RMSNorm(h, cfg)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, cfg)
+            self.pre_feedforward_layernorm_2 = RMSNorm(h, cfg)
+
+    def forward(self, x, per_layer_input, ctx: ChunkContext, cache: KVCache, shared_kv: dict):
+        residual = x
+        x = residual + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx, cache, shared_kv))
+        residual = x
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe:
+            flat = residual.reshape(-1, residual.shape[-1])
+            weights, index = self.router(flat)
+            moe_out = self.experts(self.pre_feedforward_layernorm_2(flat), weights, index).reshape(residual.shape)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
+        x = residual + self.post_feedforward_layernorm(h)
+        if self.has_ple:
+            gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        if self.gemma4:
+            x = x * self.layer_scalar
+        return x
+
+
+class GemmaModel(nn.Module):
+    """The text model; parameter names are the checkpoint's stripped HF names."""
+
+    def __init__(self, cfg: GemmaConfig, max_seq_len: int = 4096):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, spec) for spec in cfg.layers])
+        self.norm = RMSNorm(h, cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+        if cfg.has_per_layer_inputs:
+            ple = cfg.num_layers * cfg.hidden_size_per_layer_input
+            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, ple)
+            self.per_layer_model_projection = nn.Linear(h, ple, bias=False)
+            self.per_layer_projection_norm = RMSNorm(cfg.hidden_size_per_layer_input, cfg)
+        self.max_seq_len = max_seq_len
+        for kind in (SLIDING, FULL):
+            head_dim = next((s.head_dim for s in cfg.layers if s.kind == kind), cfg.head_dim)
+            cos, sin = rope_tables(cfg.rope[kind], head_dim, max_seq_len)
+            self.register_buffer(f"cos_{kind}", cos, persistent=False)
+            self.register_buffer(f"sin_{kind}", sin, persistent=False)
+
+    @classmethod
+    def from_checkpoint(cls, path, dtype=torch.float32, device="cpu", max_seq_len: int = 4096) -> "GemmaModel":
+        from specdec.models.checkpoint import load_checkpoint
+
+        cfg, tensors = load_checkpoint(path, framework="pt", dtype=dtype)
+        with torch.device("meta"):
+            model = cls(cfg, max_seq_len)
+        model.load_state_dict(tensors, strict=True, assign=True)
+        for kind in (SLIDING, FULL):  # non-persistent buffers are rebuilt off the meta device
+            head_dim = next((s.head_dim for s in cfg.layers if s.kind == kind), cfg.head_dim)
+            cos, sin = rope_tables(cfg.rope[kind], head_dim, max_seq_len)
+            setattr(model, f"cos_{kind}", cos)
+            setattr(model, f"sin_{kind}", sin)
+        return model.to(device).eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def allocate_cache(self, batch: int, k_max: int = 8, max_seq_len: int | None = None) -> KVCache:
+        n = max_seq_len or self.max_seq_len
+        if n > self.max_seq_len:
+            raise ValueError(f"cache of {n} positions exceeds the model's RoPE tables ({self.max_seq_len})")
+        return KVCache.allocate(self.cfg, batch, n, k_max, self.dtype, self.embed_tokens.weight.device)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(self.cfg.hidden_size**0.5, dtype=self.dtype)
+        return self.embed_tokens(tokens) * scale.to(tokens.device)
+
+    def _per_layer_inputs(self, tokens: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        B, T = tokens.shape
+        p = cfg.hidden_size_per_layer_input
+        ple_scale = torch.tensor(p**0.5, dtype=self.dtype).to(tokens.device)
+        token_part = (self.embed_tokens_per_layer(tokens) * ple_scale).view(B, T, cfg.num_layers, p)
+        context = self.per_layer_model_projection(embeds) * (cfg.hidden_size**-0.5)
+        context = self.per_layer_projection_norm(context.view(B, T, cfg.num_layers, p))
+        return (context + token_part) * (2.0**-0.5)
+
+    def _context(self, positions: torch.Tensor, cache: KVCache) -> ChunkContext:
+        B, T = positions.shape
+        start = positions[:, :1]  # chunks are contiguous: positions[:, t] = start + t
+        ctx = ChunkContext({}, {}, {}, {}, {}, {}, [])
+        dt = self.dtype
+        causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
+        for kind in (SLIDING, FULL):
+            cos_t, sin_t = getattr(self, f"cos_{kind}"), getattr(self, f"sin_{kind}")
+            ctx.cos[kind] = cos_t[positions].to(dt)[:, :, None, :]
+            ctx.sin[kind] = sin_t[positions].to(dt)[:, :, None, :]
+            stored = cache.slot_pos[kind]
+            ctx.cached_cos[kind] = cos_t[stored.clamp(min=0)].to(dt)[:, None]
+            ctx.cached_sin[kind] = sin_t[stored.clamp(min=0)].to(dt)[:, None]
+            visible = (stored >= 0) & (stored < start)  # [B, S]
+            cache_mask = visible[:, None, :].expand(B, T, -1)
+            chunk_mask = causal[None].expand(B, T, T)
+            if kind == SLIDING:
+                window = self.cfg.sliding_window
+                cache_mask = cache_mask & (stored[:, None, :] > positions[:, :, None] - window)
+                chunk_mask = chunk_mask & (positions[:, None, :] > positions[:, :, None] - window)
+            ctx.cache_mask[kind] = cache_mask[:, None, None]
+            ctx.chunk_mask[kind] = chunk_mask[:, None, None]
+        return ctx
+
+    def _commit(self, ctx: ChunkContext, positions: torch.Tensor, cache: KVCache) -> None:
+        """Write this chunk's keys/values and positions into their slots (the last `slots` tokens when the
+        chunk is longer than a ring)."""
+        B = positions.shape[0]
+        rows = torch.arange(B, device=positions.device)[:, None]
+        for kind in (SLIDING, FULL):
+            n = cache.slots(kind)
+            pos = positions[:, -n:]
+            slot = pos % n
+            for index, k, v in ctx.pending_writes:
+                if self.cfg.layers[index].kind != kind:
+                    continue
+                k = k[:, :, -n:].transpose(1, 2)  # [B, T', n_kv, hd]
+                cache.keys[index].transpose(1, 2).index_put_((rows, slot), k)
+                if v is not None:
+                    cache.values[index].transpose(1, 2).index_put_((rows, slot), v[:, :, -n:].transpose(1, 2))
+            cache.slot_pos[kind].index_put_((rows, slot), pos)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        hidden_layers: tuple[int, ...] = (),
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run tokens [B, T] at positions [B, T] (contiguous per row) and commit them to the cache.
+        Returns float32 logits [B, T, V] ([B, 1, V] with last_only) and, when hidden_layers is given,
+        the hidden states after those layers, [B, T, len(hidden_layers), H]."""
+        cfg = self.cfg
+        x = self._embed(tokens)
+        per_layer = self._per_layer_inputs(tokens, x) if cfg.has_per_layer_inputs else None
+        ctx = self._context(positions, cache)
+        shared_kv: dict = {}
+        taps = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, per_layer[:, :, i] if per_layer is not None else None, ctx, cache, shared_kv)
+            if i in hidden_layers:
+                taps[i] = x
+        self._commit(ctx, positions, cache)
+        hidden = torch.stack([taps[i] for i in hidden_layers], dim=2) if hidden_layers else None
+        x = self.norm(x[:, -1:] if last_only else x)
+        head = self.lm_head.weight if not cfg.tie_word_embeddings else self.embed_tokens.weight
+        logits = F.linear(x, head).float()
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits, hidden

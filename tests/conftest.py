@@ -1,0 +1,28 @@
+import os
+
+import pytest
+
+# CPU threads: CI has 2 cores; keep torch from oversubscribing when xdist runs workers.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def random_checkpoints(tmp_path_factory):
+    """variant -> directory of a small random-weight HF checkpoint (written once per session)."""
+    from specdec.models.random_init import all_variants, write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("random_checkpoints")
+    return {v: write_random_checkpoint(v, root / v) for v in all_variants()}

@@ -1,0 +1,88 @@
+"""Loading checkpoints: layouts, strict checks, and one-line errors that name the file or tensor."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec.errors import SpecdecError
+from specdec.models.checkpoint import load_checkpoint, save_checkpoint
+from specdec.models.config import GemmaConfig
+from specdec.models.torch_gemma import GemmaModel
+
+
+def copy_ckpt(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_multimodal_layout_loads_the_text_model(random_checkpoints):
+    """`model.language_model.` names and a `gemma4` config with text_config; vision tensors ignored."""
+    dense = GemmaModel.from_checkpoint(random_checkpoints["gemma4_dense"], max_seq_len=64)
+    multi = GemmaModel.from_checkpoint(random_checkpoints["gemma4_multimodal"], max_seq_len=64)
+    tokens = torch.randint(3, 512, (1, 12))
+    pos = torch.arange(12)[None]
+    with torch.no_grad():
+        a, _ = dense(tokens, pos, dense.allocate_cache(1))
+        b, _ = multi(tokens, pos, multi.allocate_cache(1))
+    assert torch.equal(a, b)
+
+
+def test_sharded_checkpoint_round_trip(random_checkpoints, tmp_path):
+    cfg_raw = json.loads((random_checkpoints["gemma3"] / "config.json").read_text())
+    _, tensors = load_checkpoint(random_checkpoints["gemma3"], framework="numpy")
+    out = save_checkpoint(tmp_path / "sharded", cfg_raw, tensors, max_shard_bytes=200_000)
+    assert (out / "model.safetensors.index.json").exists()
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    _, again = load_checkpoint(out, framework="numpy")
+    assert set(again) == set(tensors)
+    assert all((again[n] == tensors[n]).all() for n in tensors)
+
+
+def test_dtype_chosen_at_load(random_checkpoints):
+    _, tensors = load_checkpoint(random_checkpoints["gemma3"], framework="pt", dtype=torch.bfloat16)
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+
+
+def test_truncated_safetensors_names_the_file(random_checkpoints, tmp_path):
+    ckpt = copy_ckpt(random_checkpoints["gemma3"], tmp_path / "ckpt")
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(SpecdecError, match="model.safetensors"):
+        load_checkpoint(ckpt)
+
+
+def test_shape_mismatch_names_tensor_and_file(random_checkpoints, tmp_path):
+    ckpt = copy_ckpt(random_checkpoints["gemma3"], tmp_path / "ckpt")
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(7, 64)
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(SpecdecError, match=r"model\.safetensors.*model\.layers\.1\.mlp\.up_proj\.weight.*\(7, 64\)"):
+        load_checkpoint(ckpt)
+
+
+def test_missing_tensor_is_named(random_checkpoints, tmp_path):
+    ckpt = copy_ckpt(random_checkpoints["gemma3"], tmp_path / "ckpt")
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.2.self_attn.k_norm.weight"]
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(SpecdecError, match="layers.2.self_attn.k_norm.weight"):
+        load_checkpoint(ckpt)
+
+
+def test_unsupported_model_type_and_missing_field():
+    with pytest.raises(SpecdecError, match="unsupported model_type 'llama'"):
+        GemmaConfig.from_dict({"model_type": "llama"})
+    with pytest.raises(SpecdecError, match="missing field 'head_dim'"):
+        GemmaConfig.from_dict({"model_type": "gemma3_text", "num_hidden_layers": 2})
+
+
+def test_gemma4_config_forms_agree(random_checkpoints):
+    """Released checkpoints say global_head_dim / num_global_key_value_heads; transformers writes
+    per_layer_config. Both resolve to the same layers."""
+    raw = json.loads((random_checkpoints["gemma4_dense"] / "config.json").read_text())
+    released = {k: v for k, v in raw.items() if k != "per_layer_config"}
+    released.update(global_head_dim=32, num_global_key_value_heads=1)
+    assert GemmaConfig.from_dict(released).layers == GemmaConfig.from_dict(raw).layers
