@@ -123,6 +123,17 @@ class KVCache:
     def slots(self, kind: str) -> int:
         return self.slot_pos[kind].shape[1]
 
+    def row(self, b: int) -> "KVCache":
+        """A batch-1 view of row b: writes through it land in this cache."""
+        sl = slice(b, b + 1)
+        return KVCache(
+            [k[sl] if k is not None else None for k in self.keys],
+            [v[sl] if v is not None else None for v in self.values],
+            {kind: pos[sl] for kind, pos in self.slot_pos.items()},
+            self.max_seq_len,
+            self.k_max,
+        )
+
 
 @dataclass
 class ChunkContext:
@@ -350,16 +361,19 @@ class GemmaModel(nn.Module):
             raise ValueError(f"cache of {n} positions exceeds the model's RoPE tables ({self.max_seq_len})")
         return KVCache.allocate(self.cfg, batch, n, k_max, self.dtype, self.embed_tokens.weight.device)
 
+    def _scale(self, value: float) -> float:
+        """A scale rounded to the weights' dtype first, as the reference embeddings do; a Python float,
+        so no host-to-device copy happens inside a captured graph."""
+        return float(torch.tensor(value, dtype=self.dtype))
+
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.cfg.hidden_size**0.5, dtype=self.dtype)
-        return self.embed_tokens(tokens) * scale.to(tokens.device)
+        return self.embed_tokens(tokens) * self._scale(self.cfg.hidden_size**0.5)
 
     def _per_layer_inputs(self, tokens: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         B, T = tokens.shape
         p = cfg.hidden_size_per_layer_input
-        ple_scale = torch.tensor(p**0.5, dtype=self.dtype).to(tokens.device)
-        token_part = (self.embed_tokens_per_layer(tokens) * ple_scale).view(B, T, cfg.num_layers, p)
+        token_part = (self.embed_tokens_per_layer(tokens) * self._scale(p**0.5)).view(B, T, cfg.num_layers, p)
         context = self.per_layer_model_projection(embeds) * (cfg.hidden_size**-0.5)
         context = self.per_layer_projection_norm(context.view(B, T, cfg.num_layers, p))
         return (context + token_part) * (2.0**-0.5)

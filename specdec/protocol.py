@@ -1,0 +1,74 @@
+"""The draft/verify protocol every drafter and both engines implement (see DESIGN.md, "The cycle").
+
+State per row: committed tokens (in the verifier's KV cache) and one pending token (emitted, not yet in
+the cache). A cycle:
+  1. draft = drafter.propose(k)                    up to k tokens per row (+ draft probabilities if sampled)
+  2. out = verifier.verify([pending] + draft)      logits of all k+1 rows; hidden states of tapped layers
+  3. accepted, next = accept(draft, out.logits)    longest accepted prefix, then the target's own token
+  4. verifier.commit(accepted + 1); drafter.observe(...); emit; pending = next
+
+Arrays are framework arrays (torch tensors or jax arrays) of fixed shape: a row with fewer drafts than
+k pads its draft and says how many are real in `lengths`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+Array = Any  # torch.Tensor or jax.Array
+
+
+@dataclass
+class Draft:
+    tokens: Array  # [B, k] int, padded past `lengths`
+    lengths: Array  # [B] int, real drafts per row (0..k)
+    probs: Array | None = None  # [B, k, V] float draft distributions; None = deterministic (point mass)
+
+
+@dataclass
+class VerifyOutput:
+    logits: Array  # [B, T, V] float32 target logits for every verified row
+    hidden: Array | None = None  # [B, T, n_taps, H] hidden states after the requested layers
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """The target model, owning a static KV cache. Positions are absolute; rows advance independently."""
+
+    vocab_size: int
+    k_max: int  # most drafts one verify takes (T = k + 1 <= k_max + 1)
+    hidden_layers: tuple[int, ...]  # layers whose hidden states verify returns
+
+    def prefill(self, prompts: list[list[int]]) -> Array:
+        """Start one request per row: commit each prompt but its last token and return nothing;
+        the last prompt token becomes the row's pending token."""
+        ...
+
+    def verify(self, tokens: Array) -> VerifyOutput:
+        """Run tokens [B, T] (pending + drafts) at each row's next positions. Their keys/values enter
+        the cache, but only `commit` makes them part of the context."""
+        ...
+
+    def commit(self, num_tokens: Array) -> None:
+        """Advance each row by num_tokens [B] (accepted drafts + 1): the rest of the last verify is
+        rolled back (overwritten by the next one)."""
+        ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    vocab_size: int | None  # None: works on any vocabulary (n-gram)
+
+    def begin(self, prompts: list[list[int]]) -> None:
+        """Start one request per row."""
+        ...
+
+    def propose(self, k: int) -> Draft:
+        """Up to k draft tokens per row, continuing each row's context (prompt + emitted tokens)."""
+        ...
+
+    def observe(self, emitted: list[list[int]], hidden: Array | None = None) -> None:
+        """Tokens emitted per row this cycle (accepted drafts + the target's token), and the target's
+        hidden states of the verified rows when the verifier was asked for them."""
+        ...

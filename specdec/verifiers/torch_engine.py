@@ -1,0 +1,132 @@
+"""The PyTorch verifier: a GemmaModel, its static KV cache, and one forward per T bucket.
+
+On CUDA each T = 1 .. k_max + 1 forward is captured once as a CUDA graph and replayed: the model is
+launch-bound at small batch, and a replay issues hundreds of kernels for the price of one launch.
+On CPU the same forwards run eagerly. Graphed and eager run the same kernels on the same buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.errors import SpecdecError
+from specdec.models.torch_gemma import GemmaModel, KVCache
+from specdec.protocol import VerifyOutput
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds activation memory)
+
+
+class TorchEngine:
+    """Implements specdec.protocol.Verifier. Row b's committed length is `lengths[b]`; its pending token
+    (not yet in the cache) goes first in the next verify."""
+
+    def __init__(
+        self,
+        model: GemmaModel,
+        batch: int = 1,
+        max_seq_len: int | None = None,
+        k_max: int = 8,
+        hidden_layers: tuple[int, ...] = (),
+        cuda_graphs: bool | None = None,
+    ):
+        self.model = model
+        self.cfg = model.cfg
+        self.vocab_size = model.cfg.vocab_size
+        self.k_max = k_max
+        self.batch = batch
+        self.hidden_layers = tuple(hidden_layers)
+        self.device = model.embed_tokens.weight.device
+        self.max_seq_len = max_seq_len or model.max_seq_len
+        self.cache: KVCache = model.allocate_cache(batch, k_max, self.max_seq_len)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, VerifyOutput]] = {}
+
+    # -- the protocol -------------------------------------------------------------------------------
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Commit each row's prompt but its last token; returns the last prompt tokens [B] (pending)."""
+        if len(prompts) != self.batch:
+            raise SpecdecError(f"{len(prompts)} prompts for an engine of batch {self.batch}")
+        for b, prompt in enumerate(prompts):
+            if not prompt:
+                raise SpecdecError("empty prompt")
+            if len(prompt) + self.k_max + 1 > self.max_seq_len:
+                raise SpecdecError(
+                    f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens"
+                )
+        self.cache.reset()
+        with torch.inference_mode():
+            for b, prompt in enumerate(prompts):
+                row = self.cache.row(b)  # rows prefill one at a time, so no row is padded
+                ids = torch.tensor(prompt[:-1], dtype=torch.long, device=self.device)[None]
+                for start in range(0, ids.shape[1], PREFILL_CHUNK):
+                    chunk = ids[:, start : start + PREFILL_CHUNK]
+                    pos = torch.arange(start, start + chunk.shape[1], device=self.device)[None]
+                    self.model(chunk, pos, row, last_only=True)
+        self.lengths.copy_(torch.tensor([len(p) - 1 for p in prompts], device=self.device))
+        return torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=self.device)
+
+    def verify(self, tokens: torch.Tensor) -> VerifyOutput:
+        """Run tokens [B, T] at positions lengths + 0..T-1 (T <= k_max + 1); nothing is committed."""
+        T = tokens.shape[1]
+        if T > self.k_max + 1:
+            raise SpecdecError(f"{T - 1} drafts exceed the engine's k_max of {self.k_max}")
+        if not self.use_graphs:
+            with torch.inference_mode():
+                return self._forward(tokens)
+        if T not in self._graphs:
+            self._capture(T)
+        graph, static_tokens, out = self._graphs[T]
+        static_tokens.copy_(tokens)
+        graph.replay()
+        return out
+
+    def commit(self, num_tokens: torch.Tensor) -> None:
+        self.lengths += num_tokens
+
+    # -- internals -------------------------------------------------------------------------------------
+
+    def _forward(self, tokens: torch.Tensor) -> VerifyOutput:
+        T = tokens.shape[1]
+        positions = self.lengths[:, None] + torch.arange(T, device=self.device)[None]
+        logits, hidden = self.model(tokens, positions, self.cache, hidden_layers=self.hidden_layers)
+        return VerifyOutput(logits, hidden)
+
+    def _capture(self, T: int) -> None:
+        """Capture the T-token forward. Warm-up runs on a side stream, as CUDA graphs require. Warm-up and
+        capture write dummy tokens at positions lengths .. lengths+T-1: exactly what rejected drafts do,
+        so the next verify (which starts at lengths) never sees them."""
+        static_tokens = torch.zeros(self.batch, T, dtype=torch.long, device=self.device)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(static_tokens)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            out = self._forward(static_tokens)
+        self._graphs[T] = (graph, static_tokens, out)
+
+    # -- plain decode: the baseline every speculative run is compared with ----------------------------
+
+    def greedy_decode(self, prompt: list[int], max_new_tokens: int, eos_ids=(), on_token=None) -> list[int]:
+        """Plain greedy decode of one prompt (batch 1): one T=1 forward per token, argmax (lowest id on
+        ties). `on_token(token)` streams each token as it is chosen."""
+        if self.batch != 1:
+            raise SpecdecError("greedy_decode runs batch 1")
+        pending = self.prefill([prompt])
+        out: list[int] = []
+        one = torch.ones(1, dtype=torch.long, device=self.device)
+        while len(out) < max_new_tokens:
+            logits = self.verify(pending[:, None]).logits
+            self.commit(one)
+            pending = logits[:, -1].argmax(dim=-1)
+            token = int(pending[0])
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in eos_ids:
+                break
+        return out
