@@ -1,0 +1,137 @@
+"""The Python API: `specdec.load(...)` a target (weights, tokenizer, engine) and `specdec.generate(...)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from specdec.errors import SpecdecError
+from specdec.generate import Generation, StopCondition, speculative_generate
+from specdec.models.config import GemmaConfig
+from specdec.models.tokenizer import Tokenizer
+from specdec.sampling import SamplingParams
+
+ENGINES = ("torch", "jax")
+DRAFTERS = ("ngram", "none")
+
+
+@dataclass
+class Target:
+    """A loaded target model: its checkpoint, tokenizer and verifier engine."""
+
+    path: Path
+    config: GemmaConfig
+    tokenizer: Tokenizer
+    engine: object  # a specdec.protocol.Verifier
+    engine_name: str
+
+
+def resolve_checkpoint(path: str | Path | None) -> Path:
+    """A checkpoint directory, or the embedded default (the real Gemma 3 270M, imported once)."""
+    if path is None:
+        from specdec.models.gguf_import import default_checkpoint
+
+        return default_checkpoint()
+    path = Path(path)
+    if not path.is_dir():
+        raise SpecdecError(f"{path}: not a checkpoint directory")
+    return path
+
+
+def load(
+    target: str | Path | None = None,
+    engine: str = "torch",
+    device: str | None = None,
+    dtype: str | None = None,
+    k_max: int = 8,
+    max_seq_len: int = 4096,
+    batch: int = 1,
+    hidden_layers: tuple[int, ...] = (),
+) -> Target:
+    """Load a target for generation. Defaults: the embedded Gemma 3 270M, the PyTorch engine, CUDA in
+    bf16 when there is a GPU, else CPU in fp32."""
+    if engine not in ENGINES:
+        raise SpecdecError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    if k_max < 0:
+        raise SpecdecError(f"k_max must be >= 0, got {k_max}")
+    path = resolve_checkpoint(target)
+    tokenizer = Tokenizer.from_dir(path)
+    if engine == "torch":
+        import torch
+
+        from specdec.models.torch_gemma import GemmaModel
+        from specdec.verifiers.torch_engine import TorchEngine
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        ]
+        model = GemmaModel.from_checkpoint(path, dtype=torch_dtype, device=device, max_seq_len=max_seq_len)
+        verifier = TorchEngine(model, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers)
+        cfg = model.cfg
+    else:
+        from specdec.verifiers.jax_engine import JaxEngine
+
+        verifier = JaxEngine.from_checkpoint(
+            path, dtype=dtype, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers
+        )
+        cfg = verifier.cfg
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise SpecdecError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {cfg.vocab_size}")
+    return Target(path, cfg, tokenizer, verifier, engine)
+
+
+def make_drafter(name: str, k: int, min_ngram: int = 1, max_ngram: int = 3):
+    if name not in DRAFTERS:
+        raise SpecdecError(f"unknown drafter {name!r} (choose from {', '.join(DRAFTERS)})")
+    if name == "none":
+        return None
+    from specdec.drafters.ngram import NgramDrafter
+
+    return NgramDrafter(k, min_ngram=min_ngram, max_ngram=max_ngram)
+
+
+def generate(
+    prompt: str | Sequence[str],
+    target: Target | str | Path | None = None,
+    drafter: str = "ngram",
+    k: int = 4,
+    max_new_tokens: int = 128,
+    sampling: SamplingParams = SamplingParams(),
+    stop_strings: Sequence[str] = (),
+    chat: bool = False,
+    on_text: Callable[[int, str], None] | None = None,
+) -> tuple[list[str], Generation]:
+    """Generate a completion per prompt; returns the texts and the Generation (tokens, SpecStats).
+    `on_text(row, text)` streams decoded text as tokens are accepted."""
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not isinstance(target, Target):
+        target = load(target, batch=len(prompts), k_max=max(k, 0))
+    tok = target.tokenizer
+    if chat:
+        if not tok.has_chat_template:
+            raise SpecdecError(f"{target.path}: this checkpoint has no chat template (a base model: use plain prompts)")
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        ids = [tok.encode(p, add_bos=False) for p in prompts]
+    else:
+        ids = [tok.encode(p) for p in prompts]
+    stop = StopCondition(max_new_tokens, tok.eos_ids, stop_strings, decode=tok.decode)
+    decoders = [tok.stream_decoder() for _ in prompts]
+
+    def stream(row: int, tokens: list[int]) -> None:
+        text = decoders[row].push(tokens)
+        if text and on_text is not None:
+            on_text(row, text)
+
+    result = speculative_generate(target.engine, make_drafter(drafter, k), ids, k, stop, sampling, on_tokens=stream)
+    if on_text is not None:
+        for row, dec in enumerate(decoders):
+            if tail := dec.flush():
+                on_text(row, tail)
+    texts = [tok.decode(t) for t in result.tokens]
+    for i, text in enumerate(texts):  # a stop string ends the text where it starts
+        for s in stop_strings:
+            if s in text:
+                texts[i] = text[: text.index(s)]
+    return texts, result

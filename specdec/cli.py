@@ -1,0 +1,118 @@
+"""`specdec`: generate, validate, import-gguf, inspect."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from specdec.errors import SpecdecError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Lossless speculative decoding for Gemma models.")
+err = Console(stderr=True)
+
+TARGET_HELP = "checkpoint directory (HF layout); default: the embedded Gemma 3 270M"
+
+
+def user_errors(fn):
+    """Bad input ends the command with one line on stderr and exit status 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SpecdecError as e:
+            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+@app.command()
+@user_errors
+def generate(
+    prompt: str = typer.Argument(..., help="completion prompt (or the user turn with --chat)"),
+    target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
+    drafter: str = typer.Option("ngram", help="ngram | none"),
+    engine: str = typer.Option("torch", help="torch | jax"),
+    k: int = typer.Option(4, "-k", "--k", help="draft tokens per cycle"),
+    max_new_tokens: int = typer.Option(128, help="tokens to generate at most"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0, help="0 = off"),
+    min_p: float = typer.Option(0.0),
+    seed: Optional[int] = typer.Option(None),
+    stop: list[str] = typer.Option([], help="stop string (repeatable)"),
+    chat: bool = typer.Option(False, help="wrap the prompt in the checkpoint's chat template"),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (torch engine)"),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
+    max_seq_len: int = typer.Option(4096, help="context length the KV cache holds"),
+):
+    """Generate text, streaming it, then print tau, acceptance and tok/s."""
+    import specdec
+    from specdec.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    if k < 0:
+        raise SpecdecError(f"-k must be >= 0, got {k}")
+    loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=max(k, 1), max_seq_len=max_seq_len)
+    out = sys.stdout
+    out.write(prompt)
+    out.flush()
+
+    def on_text(_row: int, text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    _, result = specdec.generate(
+        prompt, loaded, drafter=drafter, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
+        stop_strings=stop, chat=chat, on_text=on_text,
+    )
+    out.write("\n")
+    s = result.stats
+    per_pos = " ".join(f"{a:.2f}" for a in s.per_position_acceptance)
+    err.print(
+        f"[dim]{engine} · drafter {drafter if k else 'none'} · k={s.k} · {s.kept} tokens in {s.wall_s:.2f}s · "
+        f"{s.tok_s:.1f} tok/s · tau {s.tau:.2f} · acceptance {s.acceptance_rate:.2f}"
+        + (f" [{per_pos}]" if per_pos else "") + "[/dim]",
+        highlight=False,
+    )
+
+
+@app.command("import-gguf")
+@user_errors
+def import_gguf_cmd(gguf: Path, out: Path):
+    """Import a GGUF (Gemma 3) as a HF checkpoint directory: dequantised weights, config, tokenizer."""
+    from specdec.models.gguf_import import import_gguf
+
+    err.print(f"wrote {import_gguf(gguf, out)}")
+
+
+@app.command()
+@user_errors
+def inspect(target: Optional[Path] = typer.Option(None, help=TARGET_HELP)):
+    """Print a checkpoint's resolved configuration, layer by layer."""
+    from rich.table import Table
+
+    from specdec.api import resolve_checkpoint
+    from specdec.models.config import GemmaConfig
+
+    path = resolve_checkpoint(target)
+    cfg = GemmaConfig.from_file(path / "config.json")
+    console = Console()
+    console.print(
+        f"{path}\n{cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+        f"window {cfg.sliding_window}, heads {cfg.num_heads}"
+    )
+    table = Table("layer", "kind", "head_dim", "kv heads", "k_eq_v", "kv from", "mlp")
+    for s in cfg.layers:
+        table.add_row(str(s.index), s.kind, str(s.head_dim), str(s.num_kv_heads), str(s.k_eq_v), str(s.kv_source), str(s.intermediate_size))
+    console.print(table)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,220 @@
+"""The speculative loop (DESIGN.md, "The cycle") and its statistics.
+
+One loop serves both engines and every drafter; with k = 0 each cycle is a plain one-token decode.
+Per cycle there is one host synchronisation: reading the accepted counts and the next tokens, which the
+host needs anyway to stream text and to honour EOS, stop strings and max tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from specdec.errors import SpecdecError
+from specdec.protocol import Draft, Drafter, Verifier
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class SpecStats:
+    """Counts over a generation (summed over rows), with vLLM's definitions: tau = tokens emitted per
+    verify cycle (accepted + 1); acceptance at position i = drafts accepted at i / cycles that drafted
+    at i. tok/s counts the tokens kept (after stop conditions) over the wall time, prefill included."""
+
+    k: int
+    cycles: int = 0
+    emitted: int = 0
+    kept: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+    baseline_tok_s: float | None = None
+
+    def __post_init__(self):
+        self.drafted_at = self.drafted_at or [0] * self.k
+        self.accepted_at = self.accepted_at or [0] * self.k
+
+    def record(self, draft_len: int, num_accepted: int, emitted: int, kept: int) -> None:
+        self.cycles += 1
+        self.emitted += emitted
+        self.kept += kept
+        self.drafted += draft_len
+        self.accepted += num_accepted
+        for i in range(draft_len):
+            self.drafted_at[i] += 1
+        for i in range(num_accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def tok_s(self) -> float:
+        return self.kept / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def speedup(self) -> float | None:
+        return self.tok_s / self.baseline_tok_s if self.baseline_tok_s else None
+
+    def as_dict(self) -> dict:
+        return {
+            "k": self.k, "cycles": self.cycles, "emitted": self.emitted, "kept": self.kept, "drafted": self.drafted,
+            "accepted": self.accepted, "tau": self.tau, "acceptance_rate": self.acceptance_rate,
+            "per_position_acceptance": self.per_position_acceptance, "tok_s": self.tok_s,
+            "wall_s": self.wall_s, "baseline_tok_s": self.baseline_tok_s, "speedup": self.speedup,
+        }
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # emitted tokens per row (stop tokens included, stop strings cut)
+    stats: SpecStats
+
+
+class _Ops:
+    """The few array operations the loop needs, for torch tensors or jax arrays."""
+
+    def __init__(self, verifier: Verifier, sampling: SamplingParams):
+        self.sampling = sampling
+        self.jax = type(verifier).__module__.endswith("jax_engine")
+        if self.jax:
+            import jax
+            import jax.numpy as jnp
+
+            from specdec.acceptance import jax_rule as rule
+
+            self.xp, self.rule = jnp, rule
+            self.key = jax.random.PRNGKey(sampling.seed or 0)
+        else:
+            import torch
+
+            from specdec.acceptance import torch_rule as rule
+
+            self.xp, self.rule = torch, rule
+            self.device = verifier.device
+            self.generator = None
+            if not sampling.greedy:
+                self.generator = torch.Generator(device=self.device)
+                self.generator.manual_seed(sampling.seed if sampling.seed is not None else 0)
+
+    def tokens_with_pending(self, pending, draft: Draft):
+        if self.jax:
+            return self.xp.concatenate([pending[:, None], self.xp.asarray(draft.tokens)], axis=1)
+        return self.xp.cat([pending[:, None], draft.tokens.to(self.device)], dim=1)
+
+    def accept(self, draft: Draft, logits):
+        if self.sampling.greedy:
+            return self.rule.accept_greedy(draft.tokens, draft.lengths, logits)
+        if self.jax:
+            import jax
+
+            self.key, sub = jax.random.split(self.key)
+            return self.rule.accept_sampled(draft.tokens, draft.lengths, draft.probs, logits, self.sampling, sub)
+        return self.rule.accept_sampled(draft.tokens, draft.lengths, draft.probs, logits, self.sampling, self.generator)
+
+    def empty_draft(self, batch: int) -> Draft:
+        if self.jax:
+            return Draft(self.xp.zeros((batch, 0), self.xp.int32), self.xp.zeros((batch,), self.xp.int32))
+        zeros = self.xp.zeros((batch, 0), dtype=self.xp.long, device=self.device)
+        return Draft(zeros, self.xp.zeros(batch, dtype=self.xp.long, device=self.device))
+
+    def to_host(self, *arrays) -> list[np.ndarray]:
+        """Bring small per-row arrays to the host in one transfer (one synchronisation)."""
+        if self.jax:
+            import jax
+
+            return [np.asarray(a) for a in jax.device_get(arrays)]
+        flat = self.xp.cat([a.reshape(a.shape[0], -1).long() for a in arrays], dim=1).cpu().numpy()
+        widths = np.cumsum([int(np.prod(a.shape[1:])) for a in arrays])[:-1]
+        return [part.reshape(a.shape) for part, a in zip(np.split(flat, widths, axis=1), arrays)]
+
+
+class StopCondition:
+    """EOS ids, stop strings and a token budget, applied to each row's emitted tokens in order, so a
+    stop inside an accepted draft ends the row there."""
+
+    def __init__(self, max_new_tokens: int, eos_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+                 decode: Callable[[list[int]], str] | None = None):
+        if max_new_tokens < 1:
+            raise SpecdecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if stop_strings and decode is None:
+            raise SpecdecError("stop strings need a tokenizer")
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = set(eos_ids)
+        self.stop_strings = tuple(stop_strings)
+        self.decode = decode
+
+    def take(self, row: list[int], new: list[int]) -> tuple[list[int], bool]:
+        """How many of `new` the row keeps, and whether it is finished."""
+        kept = []
+        for token in new:
+            kept.append(token)
+            if token in self.eos_ids or len(row) + len(kept) >= self.max_new_tokens:
+                return kept, True
+            if self.stop_strings and any(s in self.decode(row + kept) for s in self.stop_strings):
+                return kept, True
+        return kept, False
+
+
+def speculative_generate(
+    verifier: Verifier,
+    drafter: Drafter | None,
+    prompts: list[list[int]],
+    k: int,
+    stop: StopCondition,
+    sampling: SamplingParams = SamplingParams(),
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+) -> Generation:
+    """Generate for each prompt until its stop condition; `on_tokens(row, tokens)` streams each row's
+    newly emitted tokens. With drafter None or k = 0 every cycle is a plain one-token decode."""
+    if k < 0 or k > verifier.k_max:
+        raise SpecdecError(f"k={k} is outside 0..{verifier.k_max} (the engine's captured maximum)")
+    if drafter is not None and drafter.vocab_size is not None and drafter.vocab_size != verifier.vocab_size:
+        raise SpecdecError(f"drafter vocabulary ({drafter.vocab_size}) differs from the target's ({verifier.vocab_size})")
+    if drafter is None:
+        k = 0
+    ops = _Ops(verifier, sampling)
+    batch = len(prompts)
+    stats = SpecStats(k=k)
+    rows: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
+
+    start = time.perf_counter()
+    pending = verifier.prefill(prompts)
+    if drafter is not None:
+        drafter.begin(prompts)
+    while not all(done):
+        draft = drafter.propose(k) if k > 0 else ops.empty_draft(batch)
+        out = verifier.verify(ops.tokens_with_pending(pending, draft))
+        num_accepted, pending = ops.accept(draft, out.logits)
+        verifier.commit(num_accepted + 1)
+        accepted_h, next_h, drafts_h, lens_h = ops.to_host(num_accepted, pending, draft.tokens, draft.lengths)
+        emitted = []
+        for b in range(batch):
+            new = [int(t) for t in drafts_h[b, : accepted_h[b]]] + [int(next_h[b])]
+            emitted.append(new)
+            if done[b]:
+                continue
+            kept, done[b] = stop.take(rows[b], new)
+            rows[b].extend(kept)
+            stats.record(int(lens_h[b]), int(accepted_h[b]), len(new), len(kept))
+            if on_tokens is not None:
+                on_tokens(b, kept)
+        if drafter is not None:
+            drafter.observe(emitted, out.hidden)
+    stats.wall_s = time.perf_counter() - start
+    return Generation(rows, stats)
