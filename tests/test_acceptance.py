@@ -1,0 +1,287 @@
+"""Acceptance rules of both frameworks against the shared oracle, and SamplingParams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+from tests import oracle
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+
+from specdec.acceptance import jax_rule, torch_rule  # noqa: E402
+
+
+class TorchRules:
+    @staticmethod
+    def warp_probs(logits, params):
+        return torch_rule.warp_probs(torch.from_numpy(logits), params).numpy()
+
+    @staticmethod
+    def accept_greedy(draft_tokens, draft_len, target_logits):
+        outputs = torch_rule.accept_greedy(
+            torch.from_numpy(draft_tokens), torch.from_numpy(draft_len),
+            torch.from_numpy(target_logits),
+        )
+        return tuple(x.numpy() for x in outputs)
+
+    @staticmethod
+    def accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, seed):
+        outputs = torch_rule.accept_sampled(
+            torch.from_numpy(draft_tokens), torch.from_numpy(draft_len),
+            None if draft_probs is None else torch.from_numpy(draft_probs),
+            torch.from_numpy(target_logits), params, torch.Generator().manual_seed(seed),
+        )
+        return tuple(x.numpy() for x in outputs)
+
+
+class JaxRules:
+    # Always under jit, as the fused loop runs them.
+    _warp = staticmethod(jax.jit(jax_rule.warp_probs, static_argnames="params"))
+    _greedy = staticmethod(jax.jit(jax_rule.accept_greedy))
+    _sampled = staticmethod(jax.jit(jax_rule.accept_sampled, static_argnames="params"))
+
+    @classmethod
+    def warp_probs(cls, logits, params):
+        return np.asarray(cls._warp(logits, params=params))
+
+    @classmethod
+    def accept_greedy(cls, draft_tokens, draft_len, target_logits):
+        return tuple(np.asarray(x) for x in cls._greedy(draft_tokens, draft_len, target_logits))
+
+    @classmethod
+    def accept_sampled(cls, draft_tokens, draft_len, draft_probs, target_logits, params, seed):
+        outputs = cls._sampled(draft_tokens, draft_len, draft_probs, target_logits,
+                               params=params, key=jax.random.key(seed))
+        return tuple(np.asarray(x) for x in outputs)
+
+
+@pytest.fixture(params=["torch", "jax"])
+def rules(request):
+    return {"torch": TorchRules, "jax": JaxRules}[request.param]
+
+
+WARP_PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=0.8, top_k=4),
+    SamplingParams(temperature=1.0, top_k=100),  # larger than the vocab: no-op
+    SamplingParams(temperature=1.2, top_p=0.5),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=1.0, min_p=0.2),
+    SamplingParams(temperature=0.7, top_k=6, top_p=0.8, min_p=0.1),
+    SamplingParams(temperature=0.0),
+]
+
+
+@pytest.mark.parametrize("params", WARP_PARAMS, ids=str)
+@pytest.mark.parametrize("logit_kind", ["continuous", "tied"])
+def test_warp_probs_matches_oracle(rules, params, logit_kind):
+    rng = np.random.default_rng(1)
+    if logit_kind == "tied":  # whole numbers: ties at the top-k / top-p boundaries and argmax
+        logits = rng.integers(-3, 4, size=(6, 3, 12)).astype(np.float32)
+    else:
+        logits = rng.normal(0, 2, size=(6, 3, 12)).astype(np.float32)
+    got = rules.warp_probs(logits, params)
+    assert got.dtype == np.float32 and got.shape == logits.shape
+    want = np.array([[oracle.warp_probs(row, params) for row in rows] for rows in logits])
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    np.testing.assert_array_equal(got > 0, want > 0)  # the same tokens filtered out
+
+
+@pytest.mark.parametrize("params", WARP_PARAMS[:-1], ids=str)
+def test_torch_warp_matches_hugging_face(params):
+    generation = pytest.importorskip("transformers.generation.logits_process")
+    warpers = [generation.TemperatureLogitsWarper(params.temperature)]
+    if params.top_k:
+        warpers.append(generation.TopKLogitsWarper(params.top_k))
+    if params.top_p < 1:
+        warpers.append(generation.TopPLogitsWarper(params.top_p))
+    if params.min_p:
+        warpers.append(generation.MinPLogitsWarper(params.min_p))
+    logits = torch.from_numpy(np.random.default_rng(2).normal(0, 2, (32, 50)).astype(np.float32))
+    scores = logits
+    for warper in warpers:
+        scores = warper(None, scores)
+    want = torch.softmax(scores, dim=-1)
+    torch.testing.assert_close(torch_rule.warp_probs(logits, params), want, atol=1e-6, rtol=0)
+
+
+def test_argmax_returns_the_lowest_tied_index():
+    # The greedy tie rule relies on this in both frameworks.
+    row = np.array([0.0, 3.0, 1.0, 3.0, 3.0], dtype=np.float32)
+    assert int(torch.from_numpy(row).argmax()) == 1
+    assert int(jax.numpy.argmax(row)) == 1
+
+
+def random_greedy_inputs(rng, batch: int, k: int, vocab: int):
+    target_logits = rng.integers(-2, 3, size=(batch, k + 1, vocab)).astype(np.float32)
+    argmaxes = np.array([[oracle.argmax_lowest_id(r) for r in rows] for rows in target_logits])
+    # Mostly right drafts, so that long accepted prefixes occur.
+    draft_tokens = np.where(rng.random((batch, k)) < 0.8, argmaxes[:, :k],
+                            rng.integers(0, vocab, (batch, k))).astype(np.int64)
+    draft_len = rng.integers(0, k + 1, batch).astype(np.int64)
+    return draft_tokens, draft_len, target_logits
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
+def test_accept_greedy_matches_oracle(rules, k):
+    rng = np.random.default_rng(k)
+    draft_tokens, draft_len, target_logits = random_greedy_inputs(rng, 64, k, 6)
+    got = rules.accept_greedy(draft_tokens, draft_len, target_logits)
+    want = oracle.accept_greedy(draft_tokens, draft_len, target_logits)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_greedy_ties_break_to_the_lowest_id(rules):
+    target_logits = np.zeros((2, 2, 5), np.float32)  # every token tied
+    draft_tokens = np.array([[0], [1]], np.int64)
+    num_accepted, next_token = rules.accept_greedy(draft_tokens, np.array([1, 1]), target_logits)
+    np.testing.assert_array_equal(num_accepted, [1, 0])  # token 0 is the argmax, token 1 is not
+    np.testing.assert_array_equal(next_token, [0, 0])
+
+
+def test_greedy_with_no_drafts_is_plain_greedy_decode(rules):
+    target_logits = np.random.default_rng(3).normal(size=(8, 1, 10)).astype(np.float32)
+    num_accepted, next_token = rules.accept_greedy(
+        np.zeros((8, 0), np.int64), np.zeros(8, np.int64), target_logits)
+    np.testing.assert_array_equal(num_accepted, 0)
+    np.testing.assert_array_equal(next_token, target_logits[:, 0].argmax(-1))
+
+
+def test_greedy_ignores_drafts_past_draft_len(rules):
+    target_logits = np.zeros((1, 4, 5), np.float32)
+    target_logits[0, :, 2] = 1.0  # argmax 2 at every row
+    draft_tokens = np.array([[2, 2, 2]], np.int64)  # all would match
+    num_accepted, next_token = rules.accept_greedy(draft_tokens, np.array([1]), target_logits)
+    assert num_accepted.tolist() == [1] and next_token.tolist() == [2]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_sampled_with_greedy_params_equals_greedy(rules, k, with_draft_probs):
+    rng = np.random.default_rng(4)
+    draft_tokens, draft_len, target_logits = random_greedy_inputs(rng, 64, k, 6)
+    draft_probs = None
+    if with_draft_probs:
+        draft_probs = rng.dirichlet(np.ones(6), (64, k)).astype(np.float32)
+    got = rules.accept_sampled(draft_tokens, draft_len, draft_probs, target_logits,
+                               SamplingParams(temperature=0.0), seed=0)
+    want = oracle.accept_greedy(draft_tokens, draft_len, target_logits)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_sampled_never_accepts_or_emits_a_filtered_token(rules, with_draft_probs):
+    batch, vocab = 256, 6
+    target_logits = np.tile(np.arange(vocab, dtype=np.float32), (batch, 3, 1))
+    draft_tokens = np.zeros((batch, 2), np.int64)  # token 0: outside top-2
+    draft_probs = np.full((batch, 2, vocab), 1 / vocab, np.float32) if with_draft_probs else None
+    num_accepted, next_token = rules.accept_sampled(
+        draft_tokens, np.full(batch, 2), draft_probs, target_logits,
+        SamplingParams(temperature=1.0, top_k=2), seed=5)
+    np.testing.assert_array_equal(num_accepted, 0)
+    assert set(next_token.tolist()) == {vocab - 2, vocab - 1}
+
+
+def test_sampled_accepts_at_most_draft_len_and_reproduces(rules):
+    rng = np.random.default_rng(6)
+    batch, k, vocab = 128, 3, 5
+    target_logits = rng.normal(size=(batch, k + 1, vocab)).astype(np.float32)
+    draft_tokens = rng.integers(0, vocab, (batch, k)).astype(np.int64)
+    draft_len = rng.integers(0, k + 1, batch).astype(np.int64)
+    draft_probs = rng.dirichlet(np.ones(vocab), (batch, k)).astype(np.float32)
+    params = SamplingParams(temperature=0.9)
+    first = rules.accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, 7)
+    again = rules.accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, 7)
+    assert (first[0] <= draft_len).all() and (first[0][draft_len == 0] == 0).all()
+    assert (first[0] > 0).any()
+    np.testing.assert_array_equal(first[0], again[0])
+    np.testing.assert_array_equal(first[1], again[1])
+
+
+def test_sampled_with_identical_draft_and_target_accepts_everything(rules):
+    rng = np.random.default_rng(8)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    target_logits = rng.normal(size=(64, 3, 7)).astype(np.float32)
+    draft_probs = rules.warp_probs(target_logits[:, :2], params)
+    draft_tokens = np.array([[rng.choice(7, p=row / row.sum()) for row in rows]
+                             for rows in draft_probs.astype(np.float64)])
+    num_accepted, _ = rules.accept_sampled(draft_tokens, np.full(64, 2), draft_probs,
+                                           target_logits, params, seed=9)
+    np.testing.assert_array_equal(num_accepted, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -0.1},
+        {"temperature": float("nan")},
+        {"top_k": -1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"min_p": -0.1},
+        {"min_p": 1.0},
+    ],
+    ids=str,
+)
+def test_sampling_params_rejects_bad_values(kwargs):
+    with pytest.raises(SpecdecError) as error:
+        SamplingParams(**kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_sampling_params_greedy_and_hashable():
+    assert SamplingParams().greedy
+    assert not SamplingParams(temperature=0.5).greedy
+    assert hash(SamplingParams(1.0, top_k=3)) == hash(SamplingParams(1.0, top_k=3))
+
+
+@pytest.mark.gpu
+def test_torch_rules_replay_in_a_cuda_graph():
+    rng = np.random.default_rng(10)
+    batch, k, vocab = 16, 3, 50
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05)
+
+    def fresh_inputs():
+        arrays = random_greedy_inputs(rng, batch, k, vocab)
+        return [torch.from_numpy(x).cuda() for x in arrays]
+
+    draft_tokens, draft_len, target_logits = static = fresh_inputs()
+    draft_probs = torch.softmax(torch.randn(batch, k, vocab, device="cuda"), dim=-1)
+    generator = torch.Generator(device="cuda")
+
+    def run_rules():
+        greedy = torch_rule.accept_greedy(draft_tokens, draft_len, target_logits)
+        sampled = torch_rule.accept_sampled(draft_tokens, draft_len, draft_probs, target_logits,
+                                            params, generator)
+        return greedy, sampled
+
+    side_stream = torch.cuda.Stream()  # warm up off the capture stream, as capture requires
+    side_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_stream):
+        run_rules()
+    torch.cuda.current_stream().wait_stream(side_stream)
+    graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(generator)
+    with torch.cuda.graph(graph):
+        greedy_out, sampled_out = run_rules()
+
+    for seed in range(3):
+        for buffer, new in zip(static, fresh_inputs()):
+            buffer.copy_(new)
+        generator.manual_seed(seed)
+        graph.replay()
+        want = oracle.accept_greedy(*(x.cpu().numpy() for x in static))
+        assert greedy_out[0].tolist() == want[0] and greedy_out[1].tolist() == want[1]
+        replayed = [x.clone() for x in sampled_out]
+        generator.manual_seed(seed)  # the same seed eagerly gives the same tokens
+        eager = run_rules()[1]
+        assert all(torch.equal(a, b) for a, b in zip(replayed, eager))
+        assert (replayed[0] <= draft_len).all()
