@@ -82,14 +82,14 @@ def load(
     return Target(path, cfg, tokenizer, verifier, engine)
 
 
-def make_drafter(name: str, k: int, min_ngram: int = 1, max_ngram: int = 3):
+def make_drafter(name: str, min_ngram: int = 1, max_ngram: int = 3):
     if name not in DRAFTERS:
         raise SpecdecError(f"unknown drafter {name!r} (choose from {', '.join(DRAFTERS)})")
     if name == "none":
         return None
     from specdec.drafters.ngram import NgramDrafter
 
-    return NgramDrafter(k, min_ngram=min_ngram, max_ngram=max_ngram)
+    return NgramDrafter(min_ngram=min_ngram, max_ngram=max_ngram)
 
 
 def generate(
@@ -124,7 +124,7 @@ def generate(
         if text and on_text is not None:
             on_text(row, text)
 
-    result = speculative_generate(target.engine, make_drafter(drafter, k), ids, k, stop, sampling, on_tokens=stream)
+    result = speculative_generate(target.engine, make_drafter(drafter), ids, k, stop, sampling, on_tokens=stream)
     if on_text is not None:
         for row, dec in enumerate(decoders):
             if tail := dec.flush():

@@ -111,10 +111,20 @@ class _Ops:
                 self.generator = torch.Generator(device=self.device)
                 self.generator.manual_seed(sampling.seed if sampling.seed is not None else 0)
 
+    def on_device(self, draft: Draft) -> Draft:
+        """A host drafter's numpy arrays as the verifier's arrays."""
+        if self.jax:
+            xp = self.xp
+            probs = None if draft.probs is None else xp.asarray(draft.probs)
+            return Draft(xp.asarray(draft.tokens, xp.int32), xp.asarray(draft.lengths, xp.int32), probs)
+        as_t = lambda a, dt=None: self.xp.as_tensor(a, dtype=dt, device=self.device)  # noqa: E731
+        probs = None if draft.probs is None else as_t(draft.probs)
+        return Draft(as_t(draft.tokens, self.xp.long), as_t(draft.lengths, self.xp.long), probs)
+
     def tokens_with_pending(self, pending, draft: Draft):
         if self.jax:
-            return self.xp.concatenate([pending[:, None], self.xp.asarray(draft.tokens)], axis=1)
-        return self.xp.cat([pending[:, None], draft.tokens.to(self.device)], dim=1)
+            return self.xp.concatenate([pending[:, None].astype(draft.tokens.dtype), draft.tokens], axis=1)
+        return self.xp.cat([pending[:, None], draft.tokens], dim=1)
 
     def accept(self, draft: Draft, logits):
         if self.sampling.greedy:
@@ -198,7 +208,7 @@ def speculative_generate(
     if drafter is not None:
         drafter.begin(prompts)
     while not all(done):
-        draft = drafter.propose(k) if k > 0 else ops.empty_draft(batch)
+        draft = ops.on_device(drafter.propose(k)) if k > 0 else ops.empty_draft(batch)
         out = verifier.verify(ops.tokens_with_pending(pending, draft))
         num_accepted, pending = ops.accept(draft, out.logits)
         verifier.commit(num_accepted + 1)
