@@ -1,0 +1,108 @@
+"""The CLI: real generation on the embedded model, and bad input as one line on stderr with exit 1."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from specdec.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def one_line_error(code, stderr, *needles):
+    assert code == 1
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error:")
+    for needle in needles:
+        assert needle in lines[0]
+
+
+@pytest.fixture
+def ckpt(random_checkpoints, tmp_path):
+    """A random checkpoint with the real model's tokenizer (so the CLI can encode text)."""
+    from specdec.models.gguf_import import default_checkpoint
+
+    out = shutil.copytree(random_checkpoints["gemma3"], tmp_path / "ckpt")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["vocab_size"] = 262144  # the tokenizer's
+    (out / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.embed_tokens.weight"] = 0.1 * torch.randn(262144, 64)
+    save_file(tensors, out / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_checkpoint() / name, out / name)
+    return out
+
+
+@pytest.mark.slow
+def test_generate_on_the_embedded_model():
+    code, out, err = run("generate", "def add(a, b):", "--max-new-tokens", "24", "-k", "4")
+    assert code == 0, err
+    assert out.startswith("def add(a, b):") and "return" in out
+    assert "tok/s" in err and "tau" in err
+
+
+def test_generate_on_a_checkpoint_directory(ckpt):
+    code, out, err = run("generate", "Hello", "--target", str(ckpt), "--max-new-tokens", "8", "--drafter", "none")
+    assert code == 0, err
+    assert "k=0" in err and "8 tokens" in err
+
+
+def test_truncated_safetensors(ckpt):
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    code, _, err = run("generate", "Hello", "--target", str(ckpt))
+    one_line_error(code, err, "model.safetensors")
+
+
+def test_shape_mismatch(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 64)
+    save_file(tensors, ckpt / "model.safetensors")
+    code, _, err = run("generate", "Hello", "--target", str(ckpt))
+    one_line_error(code, err, "model.layers.0.self_attn.q_proj.weight", "model.safetensors")
+
+
+def test_missing_tokenizer(ckpt):
+    (ckpt / "tokenizer.json").unlink()
+    code, _, err = run("generate", "Hello", "--target", str(ckpt))
+    one_line_error(code, err, "tokenizer", str(ckpt))
+
+
+def test_unsupported_model_type(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run("inspect", "--target", str(ckpt))
+    one_line_error(code, err, "unsupported model_type 'llama'", "config.json")
+
+
+def test_prompt_longer_than_the_context(ckpt):
+    code, _, err = run("generate", "word " * 300, "--target", str(ckpt), "--max-seq-len", "128")
+    one_line_error(code, err, "does not fit the context of 128")
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--top-p", "0"], "top_p"),
+        (["-k", "-2"], "-k"),
+        (["--engine", "tpu"], "unknown engine 'tpu'"),
+        (["--drafter", "eagle9"], "unknown drafter 'eagle9'"),
+    ],
+)
+def test_bad_flags(ckpt, flags, needle):
+    code, _, err = run("generate", "Hello", "--target", str(ckpt), *flags)
+    one_line_error(code, err, needle)
