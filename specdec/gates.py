@@ -339,3 +339,130 @@ def gate_sampling(
     all_filters = next(case for case in cases if case.name == "all_filters")
     results.append(_check_reproducible(all_filters, accept, warp, draws, seed))
     return results
+
+
+# --- gates on a real target: K=0, greedy K=1..8, self-draft -----------------------------------
+
+
+@dataclass
+class EngineUnderTest:
+    """One engine configuration the model gates run on (e.g. "torch/eager", "torch/graphs", "jax")."""
+
+    name: str
+    make: Callable[[int], object]  # k_max -> a fresh batch-1 Verifier
+    plain_decode: Callable[[object, list[int], int], list[int]]  # the engine's own plain greedy decode
+    next_token_logits: Callable[[list[int]], np.ndarray]  # target logits after a context, for tie checks
+    near_tie: float  # top-2 margin (relative to |top-1 logit|) under which the dtype cannot order two tokens
+
+
+def token_sha256(tokens: list[int]) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).hexdigest()
+
+
+def gate_k0(eut: EngineUnderTest, prompt: list[int], n_tokens: int) -> GateResult:
+    """K=0 through the speculative loop is bit-identical to the engine's plain decode."""
+    from specdec.generate import StopCondition, speculative_generate
+
+    plain = eut.plain_decode(eut.make(8), prompt, n_tokens)
+    spec = speculative_generate(eut.make(8), None, [prompt], 0, StopCondition(n_tokens)).tokens[0]
+    detail = {"engine": eut.name, "tokens": len(spec), "prompt_tokens": len(prompt),
+              "plain_sha256": token_sha256(plain), "k0_sha256": token_sha256(spec)}
+    return GateResult(f"k0_bit_identical/{eut.name}", plain == spec and len(plain) == n_tokens, detail)
+
+
+def _divergence(eut: EngineUnderTest, prompt: list[int], plain: list[int], spec: list[int]) -> dict:
+    shorter = min(len(plain), len(spec))
+    first = next((i for i in range(shorter) if plain[i] != spec[i]), shorter)
+    logits = eut.next_token_logits(prompt + plain[:first])
+    top2 = np.sort(logits)[-2:]
+    margin = float(top2[1] - top2[0])
+    return {"first_divergence": first, "plain_token": plain[first] if first < len(plain) else None,
+            "spec_token": spec[first] if first < len(spec) else None, "top2_margin": margin,
+            "near_tie_threshold": eut.near_tie * abs(float(top2[1])),
+            "near_tie": margin <= eut.near_tie * abs(float(top2[1]))}
+
+
+def gate_greedy(eut: EngineUnderTest, prompt: list[int], n_tokens: int, ks=range(1, 9), drafter_factory=None) -> list[GateResult]:
+    """Greedy speculative decode with K = 1..8 emits the plain decode's tokens. A divergence passes only
+    at a floating-point near-tie of the target (reported with its top-2 logit margin)."""
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.generate import StopCondition, speculative_generate
+
+    plain = eut.plain_decode(eut.make(8), prompt, n_tokens)
+    results = []
+    for k in ks:
+        drafter = drafter_factory() if drafter_factory else NgramDrafter()
+        gen = speculative_generate(eut.make(max(ks)), drafter, [prompt], k, StopCondition(n_tokens))
+        spec = gen.tokens[0]
+        detail = {"engine": eut.name, "k": k, "tokens": len(spec), "tau": gen.stats.tau,
+                  "acceptance": gen.stats.acceptance_rate}
+        if spec == plain:
+            results.append(GateResult(f"greedy_k{k}/{eut.name}", True, detail))
+        else:
+            detail.update(_divergence(eut, prompt, plain, spec))
+            results.append(GateResult(f"greedy_k{k}/{eut.name}", detail["near_tie"], detail))
+    return results
+
+
+def gate_self_draft(eut: EngineUnderTest, prompt: list[int], n_tokens: int, ks=range(1, 9)) -> list[GateResult]:
+    """The target drafting for itself is always right: acceptance 1.0 and tau = K + 1."""
+    from specdec.drafters.model import ModelDrafter
+    from specdec.generate import StopCondition, speculative_generate
+
+    results = []
+    for k in ks:
+        gen = speculative_generate(eut.make(max(ks)), ModelDrafter(eut.make(max(ks))), [prompt], k, StopCondition(n_tokens))
+        s = gen.stats
+        detail = {"engine": eut.name, "k": k, "acceptance": s.acceptance_rate, "tau": s.tau, "cycles": s.cycles}
+        results.append(GateResult(f"self_draft_k{k}/{eut.name}", s.acceptance_rate == 1.0 and s.tau == k + 1, detail))
+    return results
+
+
+def torch_engines(model, graphs: bool | None = None) -> list[EngineUnderTest]:
+    """The PyTorch engine eager, and graphed too on CUDA."""
+    import torch
+
+    from specdec.verifiers.torch_engine import TorchEngine
+
+    def next_token_logits(context: list[int]) -> np.ndarray:
+        cache = model.allocate_cache(1, 8, max_seq_len=len(context) + 1)
+        with torch.inference_mode():
+            logits, _ = model(torch.tensor([context], device=cache.keys[0].device),
+                              torch.arange(len(context), device=cache.keys[0].device)[None], cache, last_only=True)
+        return logits[0, -1].float().cpu().numpy()
+
+    near_tie = 4 * torch.finfo(model.dtype).eps
+    modes = [False, True] if (graphs is None and model.embed_tokens.weight.is_cuda) else [bool(graphs)]
+    return [
+        EngineUnderTest(
+            name=f"torch/{'graphs' if g else 'eager'}",
+            make=lambda k_max, g=g: TorchEngine(model, batch=1, k_max=k_max, cuda_graphs=g),
+            plain_decode=lambda engine, prompt, n: engine.greedy_decode(prompt, n),
+            next_token_logits=next_token_logits,
+            near_tie=near_tie,
+        )
+        for g in modes
+    ]
+
+
+def run_gates(engines: list[EngineUnderTest], prompt: list[int], n_tokens: int = 640, k_max: int = 8,
+              sampling_draws: int = 100_000, self_draft: bool = True, progress: Callable[[str], None] | None = None) -> list[GateResult]:
+    """All gates: K=0 and greedy K=1..k_max on each engine, self-draft on the PyTorch ones, and the
+    sampling rule of each framework."""
+    say = progress or (lambda _msg: None)
+    results: list[GateResult] = []
+    ks = range(1, k_max + 1)
+    for eut in engines:
+        say(f"{eut.name}: K=0 vs plain decode over {n_tokens} tokens")
+        results.append(gate_k0(eut, prompt, n_tokens))
+        say(f"{eut.name}: greedy K=1..{k_max} with the n-gram drafter")
+        results += gate_greedy(eut, prompt, n_tokens, ks)
+        if self_draft and eut.name.startswith("torch"):
+            say(f"{eut.name}: self-draft K=1..{k_max}")
+            results += gate_self_draft(eut, prompt, n_tokens, ks)
+    for framework in sorted({e.name.split("/")[0] for e in engines}):
+        say(f"{framework}: sampling rule, {sampling_draws} draws per case")
+        results += gate_sampling(framework, draws=sampling_draws)
+    return results
