@@ -102,9 +102,11 @@ def generate(
     stop_strings: Sequence[str] = (),
     chat: bool = False,
     on_text: Callable[[int, str], None] | None = None,
+    fused: bool | None = None,
 ) -> tuple[list[str], Generation]:
     """Generate a completion per prompt; returns the texts and the Generation (tokens, SpecStats).
-    `on_text(row, text)` streams decoded text as tokens are accepted."""
+    `on_text(row, text)` streams decoded text as tokens are accepted. `fused` runs the n-gram drafter on
+    the device inside one CUDA graph per cycle (greedy, torch engine); None: whenever that applies."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not isinstance(target, Target):
         target = load(target, batch=len(prompts), k_max=max(k, 0))

@@ -51,6 +51,7 @@ def generate(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (torch engine)"),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
     max_seq_len: int = typer.Option(4096, help="context length the KV cache holds"),
+    fused: Optional[bool] = typer.Option(None, help="n-gram draft+verify+accept in one CUDA graph (default: on CUDA, greedy)"),
 ):
     """Generate text, streaming it, then print tau, acceptance and tok/s."""
     import specdec
@@ -70,7 +71,7 @@ def generate(
 
     _, result = specdec.generate(
         prompt, loaded, drafter=drafter, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
-        stop_strings=stop, chat=chat, on_text=on_text,
+        stop_strings=stop, chat=chat, on_text=on_text, fused=fused,
     )
     out.write("\n")
     s = result.stats

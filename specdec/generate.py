@@ -180,6 +180,69 @@ class StopCondition:
         return kept, False
 
 
+@dataclass
+class CycleResult:
+    """One draft/verify/accept cycle, on the host: per row, what was drafted and what was emitted."""
+
+    num_accepted: np.ndarray  # [B]
+    next_token: np.ndarray  # [B]
+    draft_tokens: np.ndarray  # [B, k]
+    draft_len: np.ndarray  # [B]
+
+    def emitted(self, b: int) -> list[int]:
+        return [int(t) for t in self.draft_tokens[b, : self.num_accepted[b]]] + [int(self.next_token[b])]
+
+
+class HostCycle:
+    """draft (any drafter) -> verify -> accept on the verifier's device -> commit; one host sync."""
+
+    def __init__(self, verifier: Verifier, drafter: Drafter | None, k: int, sampling: SamplingParams):
+        self.verifier, self.drafter, self.k = verifier, drafter, k
+        self.ops = _Ops(verifier, sampling)
+
+    def start(self, prompts: list[list[int]]) -> None:
+        self.batch = len(prompts)
+        self.pending = self.verifier.prefill(prompts)
+        if self.drafter is not None:
+            self.drafter.begin(prompts)
+
+    def step(self) -> CycleResult:
+        ops = self.ops
+        draft = ops.on_device(self.drafter.propose(self.k)) if self.k > 0 else ops.empty_draft(self.batch)
+        out = self.verifier.verify(ops.tokens_with_pending(self.pending, draft))
+        num_accepted, self.pending = ops.accept(draft, out.logits)
+        self.verifier.commit(num_accepted + 1)
+        result = CycleResult(*ops.to_host(num_accepted, self.pending, draft.tokens, draft.lengths))
+        if self.drafter is not None:
+            self.drafter.observe([result.emitted(b) for b in range(self.batch)], out.hidden)
+        return result
+
+
+def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
+               on_tokens: Callable[[int, list[int]], None] | None = None) -> Generation:
+    """Cycle until every row meets its stop condition; `on_tokens(row, tokens)` streams each row's
+    newly kept tokens. Finished rows ride along in the fixed-shape batch, their tokens dropped."""
+    batch = len(prompts)
+    stats = SpecStats(k=k)
+    rows: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    start = time.perf_counter()
+    cycle.start(prompts)
+    while not all(done):
+        result = cycle.step()
+        for b in range(batch):
+            if done[b]:
+                continue
+            new = result.emitted(b)
+            kept, done[b] = stop.take(rows[b], new)
+            rows[b].extend(kept)
+            stats.record(int(result.draft_len[b]), int(result.num_accepted[b]), len(new), len(kept))
+            if on_tokens is not None:
+                on_tokens(b, kept)
+    stats.wall_s = time.perf_counter() - start
+    return Generation(rows, stats)
+
+
 def speculative_generate(
     verifier: Verifier,
     drafter: Drafter | None,
@@ -189,42 +252,12 @@ def speculative_generate(
     sampling: SamplingParams = SamplingParams(),
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> Generation:
-    """Generate for each prompt until its stop condition; `on_tokens(row, tokens)` streams each row's
-    newly emitted tokens. With drafter None or k = 0 every cycle is a plain one-token decode."""
+    """Generate for each prompt until its stop condition. With drafter None or k = 0 every cycle is a
+    plain one-token decode."""
     if k < 0 or k > verifier.k_max:
         raise SpecdecError(f"k={k} is outside 0..{verifier.k_max} (the engine's captured maximum)")
     if drafter is not None and drafter.vocab_size is not None and drafter.vocab_size != verifier.vocab_size:
         raise SpecdecError(f"drafter vocabulary ({drafter.vocab_size}) differs from the target's ({verifier.vocab_size})")
     if drafter is None:
         k = 0
-    ops = _Ops(verifier, sampling)
-    batch = len(prompts)
-    stats = SpecStats(k=k)
-    rows: list[list[int]] = [[] for _ in range(batch)]
-    done = [False] * batch
-
-    start = time.perf_counter()
-    pending = verifier.prefill(prompts)
-    if drafter is not None:
-        drafter.begin(prompts)
-    while not all(done):
-        draft = ops.on_device(drafter.propose(k)) if k > 0 else ops.empty_draft(batch)
-        out = verifier.verify(ops.tokens_with_pending(pending, draft))
-        num_accepted, pending = ops.accept(draft, out.logits)
-        verifier.commit(num_accepted + 1)
-        accepted_h, next_h, drafts_h, lens_h = ops.to_host(num_accepted, pending, draft.tokens, draft.lengths)
-        emitted = []
-        for b in range(batch):
-            new = [int(t) for t in drafts_h[b, : accepted_h[b]]] + [int(next_h[b])]
-            emitted.append(new)
-            if done[b]:
-                continue
-            kept, done[b] = stop.take(rows[b], new)
-            rows[b].extend(kept)
-            stats.record(int(lens_h[b]), int(accepted_h[b]), len(new), len(kept))
-            if on_tokens is not None:
-                on_tokens(b, kept)
-        if drafter is not None:
-            drafter.observe(emitted, out.hidden)
-    stats.wall_s = time.perf_counter() - start
-    return Generation(rows, stats)
+    return run_cycles(HostCycle(verifier, drafter, k, sampling), prompts, k, stop, on_tokens)

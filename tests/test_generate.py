@@ -79,3 +79,21 @@ def test_bad_k_and_vocab(model, random_checkpoints):
     drafter = ModelDrafter(TorchEngine(other, batch=1, max_seq_len=256))
     with pytest.raises(SpecdecError, match=r"drafter vocabulary \(1000\) differs from the target's \(512\)"):
         speculative_generate(target, drafter, PROMPTS[:1], 2, StopCondition(5))
+
+
+def test_fused_ngram_cycle_matches_the_host_loop(model):
+    """The device-side n-gram drafter fused with verify/accept emits what the host loop emits, with the
+    same drafts (same statistics)."""
+    from functools import partial
+
+    from specdec.drafters.ngram import NgramDrafter, ngram_propose_torch
+    from specdec.generate import run_cycles
+    from specdec.verifiers.torch_engine import FusedCycle
+
+    prompts = [[2, 5, 6, 7, 5, 6, 7, 5, 6], [2, 9, 9, 9, 9]]
+    host = speculative_generate(TorchEngine(model, batch=2, max_seq_len=256), NgramDrafter(), prompts, 4, StopCondition(60))
+    cycle = FusedCycle(TorchEngine(model, batch=2, max_seq_len=256), partial(ngram_propose_torch, min_ngram=1, max_ngram=3), 4)
+    fused = run_cycles(cycle, prompts, 4, StopCondition(60))
+    assert fused.tokens == host.tokens
+    assert fused.stats.as_dict()["per_position_acceptance"] == host.stats.as_dict()["per_position_acceptance"]
+    assert host.stats.drafted > 0 and host.stats.accepted > 0

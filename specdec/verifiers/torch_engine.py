@@ -130,3 +130,79 @@ class TorchEngine:
             if token in eos_ids:
                 break
         return out
+
+
+class FusedCycle:
+    """A whole greedy cycle for a device-side drafter as one CUDA graph replay: draft from the device
+    token buffer, verify, accept, append the emitted tokens to the buffer, advance the cache. The host
+    reads only the small per-row result (one sync per cycle). Eager on CPU, same operations.
+
+    `draft_fn(buffer [B, L], context_len [B], k) -> (draft [B, k], draft_len [B])`, capturable
+    (e.g. specdec.drafters.ngram.ngram_propose_torch)."""
+
+    def __init__(self, engine: TorchEngine, draft_fn, k: int):
+        if not 1 <= k <= engine.k_max:
+            raise SpecdecError(f"k={k} is outside 1..{engine.k_max} (the engine's captured maximum)")
+        self.engine, self.draft_fn, self.k = engine, draft_fn, k
+        self.buffer = torch.zeros(engine.batch, engine.max_seq_len + k + 1, dtype=torch.long, device=engine.device)
+        self.context_len = torch.zeros(engine.batch, dtype=torch.long, device=engine.device)  # pending included
+        self._graph: tuple[torch.cuda.CUDAGraph, tuple] | None = None
+
+    def start(self, prompts: list[list[int]]) -> None:
+        self.engine.prefill(prompts)
+        self.buffer.zero_()
+        for b, prompt in enumerate(prompts):
+            self.buffer[b, : len(prompt)] = torch.tensor(prompt, device=self.buffer.device)
+        self.context_len.copy_(torch.tensor([len(p) for p in prompts], device=self.buffer.device))
+
+    def _cycle(self):
+        from specdec.acceptance.torch_rule import accept_greedy
+
+        engine, k = self.engine, self.k
+        draft, draft_len = self.draft_fn(self.buffer, self.context_len, k)
+        pending = self.buffer.gather(1, (self.context_len - 1)[:, None])
+        logits = engine._forward(torch.cat([pending, draft], dim=1)).logits
+        num_accepted, next_token = accept_greedy(draft, draft_len, logits)
+        # Emitted tokens: the accepted drafts, then the target's token; slots past it get junk that
+        # the next cycle overwrites (they lie beyond the new context length).
+        j = torch.arange(k + 1, device=draft.device)[None]
+        padded = torch.cat([draft, next_token[:, None]], dim=1)
+        emitted = torch.where(j < num_accepted[:, None], padded, next_token[:, None])
+        slots = (self.context_len[:, None] + j).clamp(max=self.buffer.shape[1] - 1)
+        self.buffer.scatter_(1, slots, emitted)
+        engine.lengths += num_accepted + 1
+        self.context_len += num_accepted + 1
+        return num_accepted, next_token, draft, draft_len
+
+    def _capture(self) -> None:
+        """Warm up and capture on a side stream, then put back the state the warm-up cycles advanced
+        (their cache writes lie past the committed length: rolled back like rejected drafts)."""
+        engine = self.engine
+        saved = (self.buffer.clone(), self.context_len.clone(), engine.lengths.clone())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for _ in range(2):
+                self._cycle()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            outputs = self._cycle()
+        for live, snapshot in zip((self.buffer, self.context_len, engine.lengths), saved):
+            live.copy_(snapshot)
+        self._graph = (graph, outputs)
+
+    def step(self):
+        from specdec.generate import CycleResult
+
+        if self.engine.use_graphs:
+            if self._graph is None:
+                self._capture()
+            graph, outputs = self._graph
+            graph.replay()
+        else:
+            with torch.inference_mode():
+                outputs = self._cycle()
+        num_accepted, next_token, draft, draft_len = outputs
+        host = torch.cat([num_accepted[:, None], next_token[:, None], draft_len[:, None], draft], dim=1).cpu().numpy()
+        return CycleResult(host[:, 0], host[:, 1], host[:, 3:], host[:, 2])
