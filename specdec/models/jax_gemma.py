@@ -1,0 +1,373 @@
+"""Gemma 3 / Gemma 4 text models in JAX: pure functions over a params pytree and a static KV cache.
+
+The math, the order of float operations and the cache semantics mirror `torch_gemma` (read its module
+docstring): sliding layers keep a ring of `window + k_max` slots and full layers `max_seq_len` slots, each
+slot remembering the absolute position written there; a chunk sees cached slots with position < its first
+position plus itself causally; its keys/values are committed after the last layer (slot = position % slots,
+the last `slots` tokens when the chunk is longer than a ring). k_eq_v layers store the normed raw K (which is
+V) and rebuild K from it; KV-shared layers read their producer's cache and the producer's new keys/values.
+
+Params are the checkpoint's tensors under their stripped HF names (`layers.3.self_attn.q_proj.weight`), in
+torch's [out, in] layout. `cfg` is not hashable (it holds a dict), so jit closes over it rather than taking
+it as a static argument: `jax.jit(lambda p, t, pos, c: forward(p, cfg, t, pos, c), donate_argnums=3)`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec.models.checkpoint import expected_shapes, load_checkpoint
+from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec
+
+Params = dict[str, jax.Array]
+Cache = dict[str, Any]  # {"keys": [per layer], "values": [per layer], "slot_pos": {kind: [B, S] int32}}
+KINDS = (SLIDING, FULL)
+
+
+def default_dtype():
+    """bf16 on accelerators, fp32 on CPU (the parity tests' precision)."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def load_params(path: str | Path, dtype=None) -> tuple[GemmaConfig, Params]:
+    """Config and device arrays of a HF checkpoint directory, cast to `dtype` (default_dtype() if None).
+    Tensors are read memory-mapped and cast on the device."""
+    cfg, tensors = load_checkpoint(path, framework="numpy")
+    dtype = dtype or default_dtype()
+    return cfg, {name: jnp.asarray(t).astype(dtype) for name, t in tensors.items()}
+
+
+def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16) -> Params:
+    """Random weights of every tensor the config needs, made on the device (benchmarks, sharding tests).
+    Matrices ~ N(0, 1/fan_in); 1-D norms and scalars at their neutral value."""
+    neutral = 1.0 - cfg.norm_weight_offset  # Gemma 3 norms scale by (1 + w), Gemma 4 by w
+    params = {}
+    for i, (name, shape) in enumerate(sorted(expected_shapes(cfg).items())):
+        if len(shape) == 1:
+            params[name] = jnp.full(shape, neutral, dtype)
+        else:
+            std = shape[-1] ** -0.5
+            params[name] = _random_normal(jax.random.fold_in(key, i), shape, dtype, std)
+    return params
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _random_normal(key, shape, dtype, std):
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+
+def cache_slots(cfg: GemmaConfig, max_seq_len: int, k_max: int) -> dict[str, int]:
+    """Slots per kind: full layers hold every position; sliding layers a ring of window + k_max, so a
+    rejected draft never overwrites a position still inside the next query's window."""
+    return {FULL: max_seq_len, SLIDING: min(cfg.sliding_window + k_max, max_seq_len)}
+
+
+def init_cache(cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype=None) -> Cache:
+    """Empty cache: keys/values [B, n_kv, slots, head_dim] for layers owning a cache (values None for
+    k_eq_v layers, both None for KV-shared layers), slot positions -1."""
+    dtype = dtype or default_dtype()
+    slots = cache_slots(cfg, max_seq_len, k_max)
+    keys, values = [], []
+    for spec in cfg.layers:
+        if not spec.owns_cache:
+            keys.append(None)
+            values.append(None)
+            continue
+        shape = (batch, spec.num_kv_heads, slots[spec.kind], spec.head_dim)
+        keys.append(jnp.zeros(shape, dtype))
+        values.append(None if spec.k_eq_v else jnp.zeros(shape, dtype))
+    slot_pos = {kind: jnp.full((batch, n), -1, jnp.int32) for kind, n in slots.items()}
+    return {"keys": keys, "values": values, "slot_pos": slot_pos}
+
+
+def reset_cache(cache: Cache) -> Cache:
+    """Every slot empty again (stale keys/values stay; the positions hide them)."""
+    return dict(cache, slot_pos={kind: jnp.full_like(p, -1) for kind, p in cache["slot_pos"].items()})
+
+
+# -- building blocks ----------------------------------------------------------------------------------
+
+
+def _linear(x, weight):
+    return x @ weight.T
+
+
+def _gelu(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _rms_norm(x, weight, cfg: GemmaConfig):
+    """Gemma RMSNorm in float32: Gemma 3 scales by (1 + w) with rsqrt, Gemma 4 by w with pow(-0.5);
+    weight None is Gemma 4's scale-free norm (v-norm, router)."""
+    xf = x.astype(jnp.float32)
+    mean_sq = jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps
+    normed = xf * (mean_sq**-0.5 if cfg.is_gemma4 else jax.lax.rsqrt(mean_sq))
+    if weight is not None:
+        normed = normed * (cfg.norm_weight_offset + weight.astype(jnp.float32))
+    return normed.astype(x.dtype)
+
+
+def rope_inv_freq(spec: RopeSpec, head_dim: int) -> np.ndarray:
+    """float32 inverse frequencies over head_dim/2 pairs (rotate-half layout), as torch_gemma builds them.
+    Proportional RoPE rotates the first partial_rotary_factor of the pairs with frequencies over the full
+    head_dim and leaves the rest."""
+    f32 = np.float32
+    rotated = int(spec.partial_rotary_factor * head_dim // 2) if spec.rope_type == "proportional" else head_dim // 2
+    exponents = np.arange(0, 2 * rotated, 2).astype(f32) / f32(head_dim)
+    inv = (f32(1.0) / (f32(spec.theta) ** exponents)).astype(f32)
+    inv = np.concatenate([inv, np.zeros(head_dim // 2 - rotated, f32)])
+    return (inv / f32(spec.factor)).astype(f32)
+
+
+def _rope_cos_sin(inv_freq: np.ndarray, positions, dtype):
+    """cos, sin [..., head_dim] at integer positions: the rows torch_gemma reads from its float32 tables."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def _apply_rope(x, cos, sin):
+    return x * cos + _rotate_half(x) * sin
+
+
+def _kind_head_dim(cfg: GemmaConfig, kind: str) -> int:
+    return next((s.head_dim for s in cfg.layers if s.kind == kind), cfg.head_dim)
+
+
+# -- the chunk's context: rope and masks shared by every layer of a kind ---------------------------------
+
+
+def _chunk_context(cfg: GemmaConfig, positions, cache: Cache, dtype) -> dict:
+    B, T = positions.shape
+    start = positions[:, :1]  # chunks are contiguous: positions[:, t] = start + t
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    ctx = {"cos": {}, "sin": {}, "cached_cos": {}, "cached_sin": {}, "mask": {}}
+    for kind in KINDS:
+        inv_freq = rope_inv_freq(cfg.rope[kind], _kind_head_dim(cfg, kind))
+        cos, sin = _rope_cos_sin(inv_freq, positions, dtype)
+        ctx["cos"][kind], ctx["sin"][kind] = cos[:, :, None], sin[:, :, None]  # [B, T, 1, hd]
+        stored = cache["slot_pos"][kind]  # [B, S]
+        if any(s.k_eq_v and s.kind == kind for s in cfg.layers):
+            cos, sin = _rope_cos_sin(inv_freq, jnp.maximum(stored, 0), dtype)
+            ctx["cached_cos"][kind], ctx["cached_sin"][kind] = cos[:, None], sin[:, None]  # [B, 1, S, hd]
+        visible = (stored >= 0) & (stored < start)
+        cache_mask = jnp.broadcast_to(visible[:, None, :], (B, T, stored.shape[1]))
+        chunk_mask = jnp.broadcast_to(causal[None], (B, T, T))
+        if kind == SLIDING:
+            window = cfg.sliding_window
+            cache_mask = cache_mask & (stored[:, None, :] > positions[:, :, None] - window)
+            chunk_mask = chunk_mask & (positions[:, None, :] > positions[:, :, None] - window)
+        ctx["mask"][kind] = jnp.concatenate([cache_mask, chunk_mask], axis=-1)[:, None, None]  # [B,1,1,T,S+T]
+    return ctx
+
+
+# -- attention --------------------------------------------------------------------------------------------
+
+
+def _keys_from_stored(stored, k_norm_weight, cos, sin):
+    """k_eq_v: K = RoPE(k_norm.weight * normed raw K), from the stored normed raw K ([B, n_kv, S, hd])."""
+    k = (stored.astype(jnp.float32) * k_norm_weight.astype(jnp.float32)).astype(stored.dtype)
+    return _apply_rope(k, cos, sin)
+
+
+def _project_kv(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx):
+    """New keys/values of this chunk, [B, n_kv, T, hd] each, and what the cache stores for them."""
+    B, T, _ = x.shape
+    p = f"layers.{spec.index}.self_attn."
+    kind = spec.kind
+    raw_k = _linear(x, params[p + "k_proj.weight"]).reshape(B, T, -1, spec.head_dim)
+    if spec.k_eq_v:
+        v = _rms_norm(raw_k, None, cfg).transpose(0, 2, 1, 3)
+        cos, sin = ctx["cos"][kind].transpose(0, 2, 1, 3), ctx["sin"][kind].transpose(0, 2, 1, 3)
+        k = _keys_from_stored(v, params[p + "k_norm.weight"], cos, sin)
+        return k, v, (v, None)
+    k = _apply_rope(_rms_norm(raw_k, params[p + "k_norm.weight"], cfg), ctx["cos"][kind], ctx["sin"][kind])
+    k = k.transpose(0, 2, 1, 3)
+    v = _linear(x, params[p + "v_proj.weight"]).reshape(B, T, -1, spec.head_dim)
+    if cfg.is_gemma4:
+        v = _rms_norm(v, None, cfg)
+    v = v.transpose(0, 2, 1, 3)
+    return k, v, (k, v)
+
+
+def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache: Cache, shared_kv, writes):
+    B, T, _ = x.shape
+    p = f"layers.{spec.index}.self_attn."
+    hd, kind, nkv = spec.head_dim, spec.kind, spec.num_kv_heads
+    groups = cfg.num_heads // nkv
+    q = _linear(x, params[p + "q_proj.weight"]).reshape(B, T, cfg.num_heads, hd)
+    q = _apply_rope(_rms_norm(q, params[p + "q_norm.weight"], cfg), ctx["cos"][kind], ctx["sin"][kind])
+    q = q.reshape(B, T, nkv, groups, hd)  # query head h uses kv head h // groups
+
+    if spec.owns_cache:
+        k_new, v_new, stored = _project_kv(params, cfg, spec, x, ctx)
+        writes[spec.index] = stored
+        shared_kv[spec.index] = (k_new, v_new)
+    else:
+        k_new, v_new = shared_kv[spec.kv_source]
+    k_old, v_old = cache["keys"][spec.kv_source], cache["values"][spec.kv_source]
+    if v_old is None:  # k_eq_v: the stored tensor is V; rebuild K at the stored positions
+        v_old = k_old
+        k_norm = params[f"layers.{spec.kv_source}.self_attn.k_norm.weight"]
+        k_old = _keys_from_stored(k_old, k_norm, ctx["cached_cos"][kind], ctx["cached_sin"][kind])
+
+    # Attention over [cached slots | this chunk] without concatenating the cache: scores are joined for one
+    # softmax, then split again for the two value products.
+    slots = k_old.shape[2]
+    scores = jnp.concatenate(
+        [jnp.einsum("btkgd,bksd->bkgts", q, k_old), jnp.einsum("btkgd,bksd->bkgts", q, k_new)], axis=-1
+    ) * cfg.attention_scale
+    if cfg.attn_logit_softcapping is not None:
+        cap = cfg.attn_logit_softcapping
+        scores = jnp.tanh(scores / cap) * cap
+    scores = jnp.where(ctx["mask"][kind], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs[..., :slots], v_old) + jnp.einsum(
+        "bkgts,bksd->btkgd", probs[..., slots:], v_new
+    )
+    return _linear(out.reshape(B, T, cfg.num_heads * hd), params[p + "o_proj.weight"])
+
+
+# -- feed-forward -----------------------------------------------------------------------------------------
+
+
+def _mlp(params: Params, prefix: str, x):
+    gate = _linear(x, params[prefix + "gate_proj.weight"])
+    return _linear(_gelu(gate) * _linear(x, params[prefix + "up_proj.weight"]), params[prefix + "down_proj.weight"])
+
+
+def _route(params: Params, cfg: GemmaConfig, prefix: str, x):
+    """x [N, H] -> routing weights [N, k] and expert ids [N, k]."""
+    normed = _rms_norm(x, None, cfg) * params[prefix + "router.scale"] * cfg.hidden_size**-0.5
+    probs = jax.nn.softmax(_linear(normed, params[prefix + "router.proj.weight"]).astype(jnp.float32), axis=-1)
+    weights, index = jax.lax.top_k(probs, cfg.top_k_experts)
+    weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights * params[prefix + "router.per_expert_scale"][index], index
+
+
+def _experts(params: Params, prefix: str, x, weights, index):
+    """x [N, H], weights/index [N, k] -> [N, H]. Experts are gathered per token while that reads fewer
+    weights than running every expert densely (torch_gemma's rule); shapes are static either way."""
+    gate_up, down = params[prefix + "experts.gate_up_proj"], params[prefix + "experts.down_proj"]
+    n, k = index.shape
+    num_experts = gate_up.shape[0]
+    if n * k < num_experts:
+        gate, up = jnp.split(jnp.einsum("nh,nkih->nki", x, gate_up[index]), 2, axis=-1)
+        out = jnp.einsum("nki,nkhi->nkh", _gelu(gate) * up, down[index])
+        return (out * weights[..., None].astype(out.dtype)).sum(axis=1)
+    dense_weights = jnp.zeros((n, num_experts), weights.dtype).at[jnp.arange(n)[:, None], index].set(weights)
+    gate, up = jnp.split(jnp.einsum("nh,eih->nei", x, gate_up), 2, axis=-1)
+    out = jnp.einsum("nei,ehi->neh", _gelu(gate) * up, down)
+    return jnp.einsum("neh,ne->nh", out, dense_weights.astype(out.dtype))
+
+
+def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_layer_input, ctx, cache, shared_kv,
+                   writes):
+    p = f"layers.{spec.index}."
+    norm = lambda name, v: _rms_norm(v, params[p + name + ".weight"], cfg)  # noqa: E731
+    residual = x
+    attn = _attention(params, cfg, spec, norm("input_layernorm", x), ctx, cache, shared_kv, writes)
+    x = residual + norm("post_attention_layernorm", attn)
+    residual = x
+    h = _mlp(params, p + "mlp.", norm("pre_feedforward_layernorm", x))
+    if cfg.enable_moe_block:
+        flat = residual.reshape(-1, residual.shape[-1])
+        weights, index = _route(params, cfg, p, flat)
+        moe_out = _experts(params, p, norm("pre_feedforward_layernorm_2", flat), weights, index)
+        moe_out = moe_out.reshape(residual.shape)
+        h = norm("post_feedforward_layernorm_1", h) + norm("post_feedforward_layernorm_2", moe_out)
+    x = residual + norm("post_feedforward_layernorm", h)
+    if cfg.has_per_layer_inputs:
+        gated = _gelu(_linear(x, params[p + "per_layer_input_gate.weight"])) * per_layer_input
+        x = x + norm("post_per_layer_input_norm", _linear(gated, params[p + "per_layer_projection.weight"]))
+    if cfg.is_gemma4:
+        x = x * params[p + "layer_scalar"]
+    return x
+
+
+# -- the model --------------------------------------------------------------------------------------------
+
+
+def _per_layer_inputs(params: Params, cfg: GemmaConfig, tokens, embeds):
+    B, T = tokens.shape
+    p = cfg.hidden_size_per_layer_input
+    dtype = embeds.dtype
+    token_part = jnp.take(params["embed_tokens_per_layer.weight"], tokens, axis=0) * jnp.asarray(p**0.5, dtype)
+    token_part = token_part.reshape(B, T, cfg.num_layers, p)
+    context = _linear(embeds, params["per_layer_model_projection.weight"]) * cfg.hidden_size**-0.5
+    context = _rms_norm(context.reshape(B, T, cfg.num_layers, p), params["per_layer_projection_norm.weight"], cfg)
+    return (context + token_part) * 2.0**-0.5
+
+
+def _commit(cfg: GemmaConfig, cache: Cache, writes: dict, positions, x) -> Cache:
+    """Write this chunk's keys/values and positions into their slots (the last `slots` tokens when the
+    chunk is longer than a ring).
+
+    The slots are made to depend on the final hidden states x, which every read of the old cache feeds: XLA
+    then orders the in-place writes after those reads instead of copying the whole cache to write it early.
+    A row whose hidden states are not finite commits nothing (its slots point past the end and are dropped).
+    """
+    B = positions.shape[0]
+    rows = jnp.arange(B)[:, None]
+    finite = jnp.isfinite(x).all(axis=(1, 2))[:, None]
+    keys, values, slot_pos = list(cache["keys"]), list(cache["values"]), dict(cache["slot_pos"])
+    for kind in KINDS:
+        n = slot_pos[kind].shape[1]
+        pos = positions[:, -n:]
+        slot = jnp.where(finite, pos % n, n)
+        scatter = dict(mode="drop", unique_indices=True)
+        for index, (k, v) in writes.items():
+            if cfg.layers[index].kind != kind:
+                continue
+            # [B, n_kv, T', hd] -> [B, T', n_kv, hd], the shape of cache[rows, :, slot]
+            keys[index] = keys[index].at[rows, :, slot].set(k[:, :, -n:].transpose(0, 2, 1, 3), **scatter)
+            if v is not None:
+                values[index] = values[index].at[rows, :, slot].set(v[:, :, -n:].transpose(0, 2, 1, 3), **scatter)
+        slot_pos[kind] = slot_pos[kind].at[rows, slot].set(pos, **scatter)
+    return {"keys": keys, "values": values, "slot_pos": slot_pos}
+
+
+def forward(
+    params: Params,
+    cfg: GemmaConfig,
+    tokens,
+    positions,
+    cache: Cache,
+    hidden_layers: tuple[int, ...] = (),
+    last_only: bool = False,
+):
+    """Run tokens [B, T] at positions [B, T] (contiguous per row) against the cache and commit them.
+    Returns (float32 logits [B, T, V] ([B, 1, V] with last_only), the hidden states after `hidden_layers`
+    [B, T, len(hidden_layers), H] or None, the new cache)."""
+    dtype = params["embed_tokens.weight"].dtype
+    x = jnp.take(params["embed_tokens.weight"], tokens, axis=0) * jnp.asarray(cfg.hidden_size**0.5, dtype)
+    per_layer = _per_layer_inputs(params, cfg, tokens, x) if cfg.has_per_layer_inputs else None
+    ctx = _chunk_context(cfg, positions, cache, dtype)
+    shared_kv: dict = {}
+    writes: dict = {}
+    taps = {}
+    for spec in cfg.layers:
+        layer_input = per_layer[:, :, spec.index] if per_layer is not None else None
+        x = _decoder_layer(params, cfg, spec, x, layer_input, ctx, cache, shared_kv, writes)
+        if spec.index in hidden_layers:
+            taps[spec.index] = x
+    new_cache = _commit(cfg, cache, writes, positions, x)
+    hidden = jnp.stack([taps[i] for i in hidden_layers], axis=2) if hidden_layers else None
+    x = _rms_norm(x[:, -1:] if last_only else x, params["norm.weight"], cfg)
+    head = params["embed_tokens.weight"] if cfg.tie_word_embeddings else params["lm_head.weight"]
+    logits = _linear(x, head).astype(jnp.float32)
+    if cfg.final_logit_softcapping is not None:
+        cap = cfg.final_logit_softcapping
+        logits = jnp.tanh(logits / cap) * cap
+    return logits, hidden, new_cache

@@ -1,0 +1,326 @@
+"""The JAX verifier: jax_gemma's forward compiled once per T bucket, and greedy decode fused on the device.
+
+- `verify` pads T up to a bucket (1 or k_max + 1) so only a few forwards are ever compiled; the cache is
+  donated, so XLA updates it in place. Padding is harmless: padded tokens sit after the real ones (causal),
+  and the slots they take are those of a full k_max + 1 verify, which the ring is sized for.
+- Prompts prefill one row at a time in chunks of `prefill_chunk`, the tail in chunks of k_max + 1 with at
+  most k_max pad tokens, for the same reason: a pad written at position p takes the ring slot of p - slots,
+  which stays outside every later query's window only while p is within k_max of the next real token.
+- `generate_fused` runs the whole decode in one `lax.while_loop` dispatch. Its body, `decode_step`, is one
+  draft -> verify -> accept -> commit cycle; with no drafter it is plain greedy decode (k = 0). A device-side
+  drafter plugs in as `draft_fn(state) -> [B, k]` tokens and the loop stays on the device.
+- With a `mesh`, weights are split over its "tp" axis by attention head and MLP column (o_proj / down_proj
+  by row, so XLA reduces after them) and the cache by KV head; XLA inserts the collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from specdec.acceptance.jax_rule import accept_greedy
+from specdec.errors import SpecdecError
+from specdec.models.config import GemmaConfig
+from specdec.models.jax_gemma import Cache, Params, forward, init_cache, load_params, reset_cache
+from specdec.protocol import VerifyOutput
+
+TP_AXIS = "tp"
+PREFILL_CHUNK = 64
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------------
+
+
+def make_mesh(num_devices: int | None = None) -> Mesh:
+    """A 1-D tensor-parallel mesh over the first `num_devices` devices (all by default)."""
+    devices = jax.devices()[: num_devices or len(jax.devices())]
+    return Mesh(np.array(devices), (TP_AXIS,))
+
+
+def check_mesh(cfg: GemmaConfig, mesh: Mesh) -> None:
+    """Every split dimension must divide evenly over the mesh; raised before anything is compiled."""
+    tp = mesh.shape[TP_AXIS]
+    problems = []
+    if cfg.num_heads % tp:
+        problems.append(f"{cfg.num_heads} attention heads")
+    for spec in cfg.layers:
+        if spec.owns_cache and spec.num_kv_heads % tp:
+            problems.append(f"{spec.num_kv_heads} KV heads of layer {spec.index}")
+        if spec.intermediate_size % tp:
+            problems.append(f"MLP width {spec.intermediate_size} of layer {spec.index}")
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SpecdecError(f"a tensor-parallel mesh of {tp} devices does not divide {problems[0]}{more}")
+
+
+def param_partition_spec(cfg: GemmaConfig, name: str, tp: int) -> P:
+    """Heads and MLP columns split over the mesh; o_proj and down_proj split by row (their outputs are
+    reduced across devices); experts split by expert when they divide; embeddings and norms replicated."""
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        return P(TP_AXIS, None)
+    if name.endswith(("o_proj.weight", "mlp.down_proj.weight")):
+        return P(None, TP_AXIS)
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and cfg.num_experts % tp == 0:
+        return P(TP_AXIS, None, None)
+    return P()
+
+
+def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh) -> Params:
+    check_mesh(cfg, mesh)
+    tp = mesh.shape[TP_AXIS]
+    return {
+        name: jax.device_put(w, NamedSharding(mesh, param_partition_spec(cfg, name, tp))) for name, w in params.items()
+    }
+
+
+def cache_shardings(cache: Cache, mesh: Mesh):
+    """Keys/values [B, n_kv, S, hd] split by KV head; slot positions replicated."""
+    by_head = NamedSharding(mesh, P(None, TP_AXIS, None, None))
+    replicated = NamedSharding(mesh, P())
+    return {
+        "keys": [None if k is None else by_head for k in cache["keys"]],
+        "values": [None if v is None else by_head for v in cache["values"]],
+        "slot_pos": {kind: replicated for kind in cache["slot_pos"]},
+    }
+
+
+# -- the fused decode loop's state ---------------------------------------------------------------------
+
+
+class DecodeState(NamedTuple):
+    """Everything the decode loop carries; all device arrays, B rows."""
+
+    cache: Cache
+    tokens: jax.Array  # [B, max_seq_len + k_max + 1] int32: the prompt, then every emitted token
+    length: jax.Array  # [B] tokens in the cache; tokens[b, length[b]] is the pending token
+    generated: jax.Array  # [B] tokens emitted so far
+    done: jax.Array  # [B] bool: hit EOS or max tokens
+    cycles: jax.Array  # [B] verify cycles run while not done (tau = generated / cycles)
+
+
+DraftFn = Callable[[DecodeState], jax.Array]  # state -> [B, k] drafts continuing tokens[b, :length[b] + 1]
+
+
+class JaxEngine:
+    """Implements specdec.protocol.Verifier over jax_gemma. Row b's committed length is `lengths[b]`; its
+    pending token (not yet in the cache) goes first in the next verify."""
+
+    def __init__(
+        self,
+        cfg: GemmaConfig,
+        params: Params,
+        batch: int = 1,
+        max_seq_len: int = 4096,
+        k_max: int = 8,
+        hidden_layers: tuple[int, ...] = (),
+        mesh: Mesh | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+    ):
+        for layer in hidden_layers:
+            if not 0 <= layer < cfg.num_layers:
+                raise SpecdecError(f"hidden layer {layer} out of range (the model has {cfg.num_layers} layers)")
+        self.cfg = cfg
+        self.vocab_size = cfg.vocab_size
+        self.k_max = k_max
+        self.batch = batch
+        self.max_seq_len = max_seq_len
+        self.hidden_layers = tuple(hidden_layers)
+        self.buckets = tuple(sorted({1, k_max + 1}))
+        self.prefill_chunk = prefill_chunk
+        self.params = shard_params(params, cfg, mesh) if mesh is not None else params
+        dtype = params["embed_tokens.weight"].dtype
+        cache = init_cache(cfg, batch, max_seq_len, k_max, dtype)
+        self._cache_shardings = cache_shardings(cache, mesh) if mesh is not None else None
+        self.cache = jax.device_put(cache, self._cache_shardings) if mesh is not None else cache
+        self.lengths = jnp.zeros(batch, jnp.int32)
+        self.dispatches = 0  # compiled calls made from the host (generate_fused makes one for the decode)
+        self._verify_fn = jax.jit(self._verify_impl, donate_argnums=1)
+        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=1)
+        self._reset_fn = jax.jit(lambda cache: self._constrain(reset_cache(cache)), donate_argnums=0)
+        self._loop_fns: dict[DraftFn | None, Callable] = {}
+
+    @classmethod
+    def from_checkpoint(cls, path, dtype=None, **kwargs) -> "JaxEngine":
+        cfg, params = load_params(path, dtype)
+        return cls(cfg, params, **kwargs)
+
+    # -- compiled bodies ----------------------------------------------------------------------------------
+
+    def _constrain(self, cache: Cache) -> Cache:
+        """Pin the cache to its KV-head sharding so donation updates it in place across calls."""
+        if self._cache_shardings is None:
+            return cache
+        return jax.lax.with_sharding_constraint(cache, self._cache_shardings)
+
+    def _verify_impl(self, params, cache, tokens, lengths):
+        positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        logits, hidden, cache = forward(params, self.cfg, tokens, positions, cache, self.hidden_layers)
+        return logits, hidden, self._constrain(cache)
+
+    def _prefill_impl(self, params, cache, tokens, start, row):
+        """Run one row's chunk [1, T] at positions start.. against that row of the cache."""
+        positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        take_row = lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=0)  # noqa: E731
+        _, _, row_cache = forward(params, self.cfg, tokens, positions, jax.tree.map(take_row, cache), last_only=True)
+        put_row = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, row, axis=0)  # noqa: E731
+        return self._constrain(jax.tree.map(put_row, cache, row_cache))
+
+    def decode_step(self, params, state: DecodeState, max_new_tokens, eos_ids, draft_fn: DraftFn | None = None):
+        """One cycle for every row: draft k tokens (k = 0 without a drafter), verify [pending] + drafts,
+        accept the longest argmax-matching prefix plus the target's next token, commit and emit them.
+        Rows already done emit nothing."""
+        B = state.length.shape[0]
+        rows = jnp.arange(B)[:, None]
+        pending = state.tokens[rows, state.length[:, None]]
+        draft = jnp.zeros((B, 0), jnp.int32) if draft_fn is None else draft_fn(state).astype(jnp.int32)
+        k = draft.shape[1]
+        if k > self.k_max:
+            raise SpecdecError(f"the drafter proposes {k} tokens, more than the engine's k_max of {self.k_max}")
+        offsets = jnp.arange(k + 1, dtype=jnp.int32)
+        positions = state.length[:, None] + offsets
+        logits, _, cache = forward(params, self.cfg, jnp.concatenate([pending, draft], axis=1), positions, state.cache)
+        num_accepted, next_token = accept_greedy(draft, jnp.full((B,), k, jnp.int32), logits)
+        # Accepted drafts, then the target's token; entries past it are overwritten by the next cycle.
+        padded_draft = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
+        emitted = jnp.where(offsets < num_accepted[:, None], padded_draft, next_token[:, None].astype(jnp.int32))
+        is_eos = (emitted[..., None] == eos_ids).any(-1) & (offsets <= num_accepted[:, None])
+        hit_eos = is_eos.any(axis=1)
+        count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, num_accepted + 1)
+        count = jnp.where(state.done, 0, count).astype(jnp.int32)
+        generated = state.generated + count
+        return DecodeState(
+            cache=self._constrain(cache),
+            tokens=state.tokens.at[rows, state.length[:, None] + 1 + offsets].set(emitted),
+            length=state.length + count,
+            generated=generated,
+            done=state.done | hit_eos | (generated >= max_new_tokens),
+            cycles=state.cycles + (~state.done).astype(jnp.int32),
+        )
+
+    def _loop_fn(self, draft_fn: DraftFn | None):
+        if draft_fn not in self._loop_fns:
+
+            def loop(params, state, max_new_tokens, eos_ids):
+                step = lambda s: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn)  # noqa: E731
+                return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+
+            self._loop_fns[draft_fn] = jax.jit(loop, donate_argnums=1)
+        return self._loop_fns[draft_fn]
+
+    # -- the protocol -------------------------------------------------------------------------------------
+
+    def prefill(self, prompts: list[list[int]]) -> jax.Array:
+        """Commit each row's prompt but its last token; returns the last prompt tokens [B] (pending)."""
+        if len(prompts) != self.batch:
+            raise SpecdecError(f"{len(prompts)} prompts for an engine of batch {self.batch}")
+        for prompt in prompts:
+            if not prompt:
+                raise SpecdecError("empty prompt")
+            if len(prompt) + self.k_max + 1 > self.max_seq_len:
+                raise SpecdecError(
+                    f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens"
+                )
+        self.cache = self._reset_fn(self.cache)
+        for row, prompt in enumerate(prompts):
+            for start, chunk in self._prefill_chunks(prompt[:-1]):
+                self.dispatches += 1
+                self.cache = self._prefill_fn(self.params, self.cache, jnp.asarray([chunk], jnp.int32), start, row)
+        self.lengths = jnp.asarray([len(p) - 1 for p in prompts], jnp.int32)
+        return jnp.asarray([p[-1] for p in prompts], jnp.int32)
+
+    def _prefill_chunks(self, ids: list[int]):
+        """(start, tokens) chunks: full prefill chunks, then k_max + 1 buckets, the last padded by at most k_max."""
+        start = 0
+        while len(ids) - start >= self.prefill_chunk:
+            yield start, ids[start : start + self.prefill_chunk]
+            start += self.prefill_chunk
+        step = self.k_max + 1
+        for s in range(start, len(ids), step):
+            chunk = ids[s : s + step]
+            yield s, chunk + [self.cfg.pad_token_id] * (step - len(chunk))
+
+    def verify(self, tokens) -> VerifyOutput:
+        """Run tokens [B, T] at positions lengths + 0..T-1 (T <= k_max + 1); nothing is committed."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        T = tokens.shape[1]
+        if T > self.k_max + 1:
+            raise SpecdecError(f"{T - 1} drafts exceed the engine's k_max of {self.k_max}")
+        bucket = next(b for b in self.buckets if b >= T)
+        if bucket > T:
+            tokens = jnp.pad(tokens, ((0, 0), (0, bucket - T)), constant_values=self.cfg.pad_token_id)
+        self.dispatches += 1
+        logits, hidden, self.cache = self._verify_fn(self.params, self.cache, tokens, self.lengths)
+        if bucket > T:
+            logits, hidden = logits[:, :T], None if hidden is None else hidden[:, :T]
+        return VerifyOutput(logits, hidden)
+
+    def commit(self, num_tokens) -> None:
+        self.lengths = self.lengths + jnp.asarray(num_tokens, jnp.int32)
+
+    # -- greedy generation ----------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_ids=()) -> list[int]:
+        """Plain greedy decode, step by step from the host: one compiled T=1 verify per token, argmax
+        (lowest id on ties), stop on EOS or max tokens. The baseline generate_fused must equal."""
+        self._check_generation(prompt_ids, max_new_tokens, 0)
+        pending = self.prefill([prompt_ids])
+        out: list[int] = []
+        while len(out) < max_new_tokens:
+            logits = self.verify(pending[:, None]).logits
+            self.commit(1)
+            pending = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+            out.append(int(pending[0]))
+            if out[-1] in eos_ids:
+                break
+        return out
+
+    def generate_fused(self, prompt_ids: list[int], max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None):
+        """Greedy decode in one device dispatch (after prefill): a lax.while_loop of decode_step until EOS or
+        max tokens. With a draft_fn it is greedy speculative decoding, with the same output."""
+        state = self.begin_decode(prompt_ids, max_new_tokens, draft_fn)
+        state = self.decode_fused(state, max_new_tokens, eos_ids, draft_fn)
+        return self.emitted_tokens(state, len(prompt_ids), max_new_tokens)
+
+    def begin_decode(self, prompt_ids: list[int], max_new_tokens: int, draft_fn: DraftFn | None = None) -> DecodeState:
+        """Prefill one prompt and build the loop's state (batch 1)."""
+        self._check_generation(prompt_ids, max_new_tokens, self.k_max if draft_fn else 0)
+        self.prefill([prompt_ids])
+        tokens = np.zeros((1, self.max_seq_len + self.k_max + 1), np.int32)
+        tokens[0, : len(prompt_ids)] = prompt_ids
+        return DecodeState(
+            cache=self.cache,
+            tokens=jnp.asarray(tokens),
+            length=self.lengths,
+            generated=jnp.zeros(1, jnp.int32),
+            done=jnp.full(1, max_new_tokens <= 0),
+            cycles=jnp.zeros(1, jnp.int32),
+        )
+
+    def decode_fused(self, state: DecodeState, max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None):
+        """The whole decode loop as one compiled call; returns the final state without waiting for it."""
+        eos = np.full(-(-max(len(eos_ids), 1) // 8) * 8, -1, np.int32)  # padded to a multiple of 8: fewer recompiles
+        eos[: len(eos_ids)] = list(eos_ids)
+        self.cache = None  # donated to the loop
+        self.dispatches += 1
+        loop = self._loop_fn(draft_fn)
+        state = loop(self.params, state, jax.device_put(np.int32(max_new_tokens)), jax.device_put(eos))
+        self.cache, self.lengths = state.cache, state.length
+        return state
+
+    @staticmethod
+    def emitted_tokens(state: DecodeState, prompt_len: int, max_new_tokens: int) -> list[int]:
+        tokens, generated = jax.device_get((state.tokens, state.generated))
+        return tokens[0, prompt_len : prompt_len + min(int(generated[0]), max_new_tokens)].tolist()
+
+    def _check_generation(self, prompt_ids: list[int], max_new_tokens: int, k: int) -> None:
+        if self.batch != 1:
+            raise SpecdecError("generate runs batch 1")
+        if len(prompt_ids) + max_new_tokens + k > self.max_seq_len:
+            raise SpecdecError(
+                f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens"
+                f" exceeds the context of {self.max_seq_len} tokens"
+            )

@@ -1,0 +1,180 @@
+"""The JAX model against transformers and the PyTorch model on random checkpoints of every variant (fp32),
+and greedy tokens of the real Gemma 3 270M against transformers.
+
+Error is max |ours - reference| / max |reference| over the compared logits. Sequences run to 40 tokens: past
+the sliding window (8) and around the ring (8 + k_max = 16 slots) more than twice. Every chunk pattern runs
+through both frameworks, so each JAX result is checked against transformers' full forward and against
+torch_gemma fed the same chunks.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from specdec.models import jax_gemma
+from specdec.models.random_init import MULTIMODAL_VARIANT, VARIANTS, build_hf_model
+from specdec.models.torch_gemma import GemmaModel
+
+TOL = 1e-4
+N = 40
+K_MAX = 8
+MAX_SEQ = 128
+
+
+def rel_err(ours, ref):
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+class Pair:
+    """One variant in both frameworks: each runs a list of (tokens, positions) chunks on a fresh cache."""
+
+    def __init__(self, path, variant):
+        self.cfg, self.params = jax_gemma.load_params(path, jnp.float32)
+        self.torch_model = GemmaModel.from_checkpoint(path, max_seq_len=MAX_SEQ)
+        self.taps = (0, self.cfg.num_layers // 2)
+        cfg, taps = self.cfg, self.taps
+        self.forward = jax.jit(
+            lambda p, t, pos, c: jax_gemma.forward(p, cfg, t, pos, c, hidden_layers=taps), donate_argnums=3
+        )
+        self.tokens = np.asarray(
+            torch.randint(3, cfg.vocab_size, (2, N), generator=torch.Generator().manual_seed(7))
+        )
+        with torch.no_grad():
+            self.ref = build_hf_model(variant)(torch.as_tensor(self.tokens), output_hidden_states=True)
+
+    def run_jax(self, chunks):
+        cache = jax_gemma.init_cache(self.cfg, len(chunks[0][0]), MAX_SEQ, K_MAX, jnp.float32)
+        outs = []
+        for tokens, positions in chunks:
+            logits, hidden, cache = self.forward(self.params, jnp.asarray(tokens), jnp.asarray(positions, jnp.int32), cache)
+            outs.append((np.asarray(logits), np.asarray(hidden)))
+        return outs
+
+    @torch.no_grad()
+    def run_torch(self, chunks):
+        cache = self.torch_model.allocate_cache(len(chunks[0][0]), K_MAX)
+        outs = []
+        for tokens, positions in chunks:
+            logits, hidden = self.torch_model(torch.tensor(tokens), torch.tensor(positions), cache, hidden_layers=self.taps)
+            outs.append((logits.numpy(), hidden.numpy()))
+        return outs
+
+    def check(self, chunks, keep, ref_logits):
+        """JAX logits over `chunks` (the first keep[i] rows of chunk i) against ref_logits from transformers'
+        full forward, and against the torch model fed the same chunks."""
+        kept = lambda outs: np.concatenate([o[0][:, :n] for o, n in zip(outs, keep)], axis=1)  # noqa: E731
+        ours = kept(self.run_jax(chunks))
+        assert ours.shape == ref_logits.shape
+        assert rel_err(ours, ref_logits) <= TOL
+        assert rel_err(ours, kept(self.run_torch(chunks))) <= TOL
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def pair(request, random_checkpoints):
+    return Pair(random_checkpoints[request.param], request.param)
+
+
+def positions(start, stop, batch=2):
+    return np.broadcast_to(np.arange(start, stop)[None], (batch, stop - start))
+
+
+def test_prefill(pair):
+    pair.check([(pair.tokens, positions(0, N))], [N], pair.ref.logits.numpy())
+
+
+def test_token_by_token_decode(pair):
+    chunks = [(pair.tokens[:, t : t + 1], positions(t, t + 1)) for t in range(N)]
+    pair.check(chunks, [1] * N, pair.ref.logits.numpy())
+
+
+@pytest.mark.parametrize("prefix", [3, 11])
+def test_chunks_after_prefix(pair, prefix):
+    chunks = [(pair.tokens[:, :prefix], positions(0, prefix))]
+    t, sizes = prefix, [K_MAX + 1, 2, 5, 1, 9, 3, 7]
+    while t < N:
+        size = min(sizes[(len(chunks) - 1) % len(sizes)], N - t)
+        chunks.append((pair.tokens[:, t : t + size], positions(t, t + size)))
+        t += size
+    pair.check(chunks, [c[0].shape[1] for c in chunks], pair.ref.logits.numpy())
+
+
+def test_single_row_decode(pair):
+    """Batch 1, one token at a time: the shape of plain decode (and MoE's gathered-experts path)."""
+    n = 20
+    chunks = [(pair.tokens[:1, t : t + 1], positions(t, t + 1, batch=1)) for t in range(n)]
+    pair.check(chunks, [1] * n, pair.ref.logits[:1, :n].numpy())
+
+
+def test_rejected_drafts_leave_no_trace(pair):
+    """Verify K+1 tokens of which only some are right, then continue from the first wrong one: the stale
+    entries in the cache (and the ring slots they took) must not change any later logit."""
+    rng = np.random.default_rng(3)
+    chunks, keep, t = [(pair.tokens[:, :4], positions(0, 4))], [4], 4
+    while t < N:
+        size = min(K_MAX + 1, N - t)
+        chunk = pair.tokens[:, t : t + size].copy()
+        kept = int(rng.integers(1, size + 1))
+        chunk[:, kept:] = rng.integers(3, pair.cfg.vocab_size, (2, size - kept))
+        chunks.append((chunk, positions(t, t + size)))
+        keep.append(kept)
+        t += kept
+    pair.check(chunks, keep, pair.ref.logits.numpy())
+
+
+def test_rows_at_different_positions(pair):
+    """Row 0 continues after its prefix while row 1 starts over (a new request in that slot), in one forward."""
+    lag = 5
+    rows = np.stack([pair.tokens[0, lag : lag + 20], pair.tokens[1, :20]])
+    pos = np.stack([np.arange(lag, lag + 20), np.arange(0, 20)])
+    logits = pair.run_jax([(pair.tokens[:, :lag], positions(0, lag)), (rows, pos)])[1][0]
+    assert rel_err(logits[0], pair.ref.logits[0, lag : lag + 20].numpy()) <= TOL
+    assert rel_err(logits[1], pair.ref.logits[1, :20].numpy()) <= TOL
+
+
+def test_hidden_states_of_chosen_layers(pair):
+    (_, hidden), = pair.run_jax([(pair.tokens, positions(0, N))])
+    for j, layer in enumerate(pair.taps):
+        assert rel_err(hidden[:, :, j], pair.ref.hidden_states[layer + 1].numpy()) <= TOL
+
+
+def test_multimodal_checkpoint_loads_the_text_model(random_checkpoints):
+    cfg, params = jax_gemma.load_params(random_checkpoints[MULTIMODAL_VARIANT], jnp.float32)
+    dense_cfg, dense = jax_gemma.load_params(random_checkpoints["gemma4_dense"], jnp.float32)
+    assert cfg == dense_cfg and params.keys() == dense.keys()
+    assert all(np.array_equal(params[name], dense[name]) for name in dense)
+
+
+# -- the real Gemma 3 270M -------------------------------------------------------------------------------
+
+PROMPTS = {
+    "code": "def fibonacci(n):",
+    "prose": "The old lighthouse keeper",
+    "question": "Question: What is the capital of France?\nAnswer:",
+}
+NEW_TOKENS = 64
+
+
+@pytest.mark.slow
+def test_real_gemma3_270m_greedy_matches_transformers():
+    from transformers import Gemma3ForCausalLM
+
+    from specdec.models.gguf_import import default_checkpoint
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.verifiers.jax_engine import JaxEngine
+
+    path = default_checkpoint()
+    tokenizer = Tokenizer.from_dir(path)
+    hf = Gemma3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = hf.generation_config.eos_token_id
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    engine = JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=256)
+    for name, text in PROMPTS.items():
+        ids = tokenizer.encode(text)
+        assert ids[0] == tokenizer.bos_id
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected = out[0, len(ids) :].tolist()
+        assert engine.generate_fused(ids, NEW_TOKENS, eos) == expected, name

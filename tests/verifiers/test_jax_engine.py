@@ -1,0 +1,192 @@
+"""The JAX verifier: the fused decode loop against step-by-step decode, one dispatch per generation, EOS,
+a device-side drafter inside the loop, the Verifier protocol, and tensor parallelism on 4 host devices."""
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specdec.errors import SpecdecError
+from specdec.protocol import Verifier
+from specdec.verifiers.jax_engine import JaxEngine
+
+VARIANT = "gemma4_e"  # per-layer inputs, KV-shared layers, double-wide MLPs
+K_MAX = 4
+PROMPT = [2] + list(np.random.default_rng(0).integers(3, 512, 102))  # prefill: one 64 chunk, then 5s (padded)
+LONG = 640  # window 8, ring 12 slots: wraps the ring 50 times
+
+
+def sha(tokens):
+    return hashlib.sha256(str(list(tokens)).encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def engine(random_checkpoints):
+    return JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=1024, k_max=K_MAX)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """Plain greedy decode, step by step from the host."""
+    return engine.generate(PROMPT, LONG)
+
+
+def test_fused_loop_bit_identical_to_step_by_step(engine, reference):
+    assert len(reference) == LONG
+    assert len(set(reference)) > 20  # not a degenerate repetition
+    assert sha(engine.generate_fused(PROMPT, LONG)) == sha(reference)
+
+
+def test_matches_torch_engine(random_checkpoints, engine, reference):
+    from specdec.models.torch_gemma import GemmaModel
+    from specdec.verifiers.torch_engine import TorchEngine
+
+    model = GemmaModel.from_checkpoint(random_checkpoints[VARIANT], max_seq_len=256)
+    assert TorchEngine(model, max_seq_len=256, k_max=K_MAX).greedy_decode(PROMPT, 40) == reference[:40]
+
+
+def test_fused_decode_is_one_dispatch_without_host_transfers(engine, reference):
+    """The whole decode is one compiled program: a single while loop with the forward inside it and no host
+    callbacks, infeed or outfeed. The host makes one call for it and moves nothing to the device meanwhile."""
+    state = engine.begin_decode(PROMPT, LONG)
+    lowered = engine._loop_fn(None).lower(engine.params, state, np.int32(LONG), np.full(8, -1, np.int32))
+    program = lowered.as_text()
+    assert program.count("stablehlo.while") == 1 and "dot_general" in program
+    assert not any(op in program for op in ("custom_call", "infeed", "outfeed", "send", "recv"))
+    # The cache is updated in place: no step copies the 1024-slot full-attention cache.
+    assert not re.search(r"= f32\[1,\d+,1024,\d+\]\S* copy\(", lowered.compile().as_text())
+    before = engine.dispatches
+    with jax.transfer_guard("disallow"):
+        state = jax.block_until_ready(engine.decode_fused(state, LONG))
+    assert engine.dispatches == before + 1
+    assert JaxEngine.emitted_tokens(state, len(PROMPT), LONG) == reference
+
+
+def test_eos_stops_generation(engine, reference):
+    eos = reference[30]
+    expected = reference[: reference.index(eos) + 1]
+    assert engine.generate(PROMPT, LONG, eos_ids=(eos,)) == expected
+    assert engine.generate_fused(PROMPT, LONG, eos_ids=(7, eos)) == expected
+    assert engine.generate_fused(PROMPT, 0) == []
+
+
+def test_device_drafter_inside_the_loop_keeps_greedy_output(engine, reference):
+    """A drafter that proposes the reference continuation with every 7th position wrong: the fused loop
+    accepts the right prefixes, corrects the wrong token, and emits exactly the greedy tokens in fewer cycles."""
+    n = 200
+    sequence = jnp.asarray(PROMPT + reference[:n] + [0] * K_MAX, jnp.int32)
+
+    def draft_fn(state):
+        index = state.length[:, None] + 1 + jnp.arange(K_MAX)
+        drafts = sequence[index]
+        return jnp.where(index % 7 == 3, (drafts + 1) % engine.vocab_size, drafts)
+
+    state = engine.begin_decode(PROMPT, n, draft_fn)
+    state = engine.decode_fused(state, n, draft_fn=draft_fn)
+    assert JaxEngine.emitted_tokens(state, len(PROMPT), n) == reference[:n]
+    assert int(state.cycles[0]) < n // 2
+
+
+def test_verify_and_commit(engine, reference):
+    """The protocol path: drafts that are the greedy tokens come back as each row's argmax; a chunk shorter
+    than its bucket is padded and sliced back."""
+    assert isinstance(engine, Verifier)
+    pending = engine.prefill([PROMPT])
+    out = engine.verify(jnp.asarray([[int(pending[0])] + reference[:2]]))  # T=3, bucket 5
+    assert out.logits.shape == (1, 3, engine.vocab_size)
+    assert np.argmax(out.logits[0], axis=-1).tolist() == reference[:3]
+    engine.commit(jnp.asarray([3]))
+    assert int(np.argmax(engine.verify(jnp.asarray([[reference[2]]])).logits[0, -1])) == reference[3]
+
+
+def test_rows_of_different_lengths(engine):
+    """Batch 2: each row prefills on its own (prompts of different lengths) and then decodes at its own
+    positions, giving each row's single-request tokens."""
+    prompts = [PROMPT[:30], PROMPT[:75]]
+    expected = [engine.generate(p, 6) for p in prompts]
+    batched = JaxEngine(engine.cfg, engine.params, batch=2, max_seq_len=128, k_max=K_MAX)
+    pending = batched.prefill(prompts)
+    out = []
+    for _ in range(6):
+        logits = batched.verify(pending[:, None]).logits
+        batched.commit(jnp.ones(2, jnp.int32))
+        pending = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+        out.append(pending.tolist())
+    assert [list(row) for row in zip(*out)] == expected
+
+
+def test_bad_input(engine):
+    with pytest.raises(SpecdecError, match="does not fit the context of 1024"):
+        engine.prefill([list(range(3, 1100))])
+    engine.prefill([[2, 5, 7]])
+    with pytest.raises(SpecdecError, match="exceed the engine's k_max of 4"):
+        engine.verify(jnp.zeros((1, 6), jnp.int32))
+    with pytest.raises(SpecdecError, match="exceeds the context"):
+        engine.generate_fused([2, 5, 7], 1024)
+
+
+TP_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp
+    from specdec.errors import SpecdecError
+    from specdec.models.config import GemmaConfig
+    from specdec.models.jax_gemma import random_params
+    from specdec.verifiers.jax_engine import JaxEngine, make_mesh
+
+    def config(kv_heads):
+        return GemmaConfig.from_dict(dict(
+            model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=4, layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+            num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=16, global_head_dim=32,
+            num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=30.0,
+            tie_word_embeddings=False))  # a random tied head mostly repeats the input token
+
+    cfg = config(4)
+    params = random_params(cfg, jax.random.key(0), jnp.float32)
+    prompt = list(range(3, 80))
+    single = JaxEngine(cfg, params, max_seq_len=256, k_max=4)
+    sharded = JaxEngine(cfg, params, max_seq_len=256, k_max=4, mesh=make_mesh(4))
+    result = dict(
+        devices=len(jax.devices()),
+        single=single.generate_fused(prompt, 64),
+        sharded=sharded.generate_fused(prompt, 64),
+        sharded_step=sharded.generate(prompt, 16),
+        q_shard=list(sharded.params["layers.0.self_attn.q_proj.weight"].addressable_shards[0].data.shape),
+        o_shard=list(sharded.params["layers.0.self_attn.o_proj.weight"].addressable_shards[0].data.shape),
+        kv_shard=list(sharded.cache["keys"][2].addressable_shards[0].data.shape),
+    )
+    program = sharded._verify_fn.lower(sharded.params, sharded.cache, jnp.zeros((1, 5), jnp.int32), sharded.lengths)
+    program = program.compile().as_text()
+    result["collectives"] = {op: program.count(op + "(") + program.count(op + "-start(") for op in ("all-reduce", "all-gather")}
+    try:
+        JaxEngine(config(2), random_params(config(2), jax.random.key(0), jnp.float32), mesh=make_mesh(4))
+    except SpecdecError as e:
+        result["error"] = str(e)
+    print(json.dumps(result))
+    """
+)
+
+
+def test_tensor_parallel_on_four_host_devices_matches_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", TP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 4
+    assert len(set(result["single"])) > 10
+    assert result["sharded"] == result["single"]
+    assert result["sharded_step"] == result["single"][:16]
+    assert result["q_shard"] == [8 * 16 // 4, 64]  # heads split
+    assert result["o_shard"] == [64, 8 * 16 // 4]  # rows of the reduction split
+    assert result["kv_shard"] == [1, 1, 256, 32]  # the global layer's 4 KV heads, one per device
+    assert result["collectives"] == {"all-reduce": 2 * 4, "all-gather": 0}  # after o_proj and down_proj
+    assert result["error"] == "a tensor-parallel mesh of 4 devices does not divide 2 KV heads of layer 0 (+2 more)"
