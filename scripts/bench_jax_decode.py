@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec.evidence import git_commit
 from specdec.models.config import GemmaConfig
 from specdec.models.jax_gemma import load_params, random_params
 from specdec.verifiers.jax_engine import JaxEngine
@@ -155,14 +155,6 @@ def build_31b(args):
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     prompt = [cfg.bos_token_id] + np.random.default_rng(0).integers(3, cfg.vocab_size, 31).tolist()
     return cfg, params, prompt
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main() -> None:

@@ -10,12 +10,12 @@ gives tok/s (wall time of a whole generation, prefill included, after a warm-up 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import time
 from functools import partial
 from pathlib import Path
+
+from specdec.evidence import git_commit, now_utc
 
 PROMPTS = {
     "code": '''import json
@@ -178,8 +178,8 @@ def main():
         r["vs_our_plain"] = r["tok_s"] / ours_plain if ours_plain else None
         r["vs_hf_plain"] = r["tok_s"] / hf_plain if hf_plain else None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = {"device": device, "date": datetime.date.today().isoformat(), "commit": commit, "dtype": args.dtype,
+    commit = git_commit()
+    record = {"device": device, "date": now_utc(), "commit": commit, "dtype": args.dtype,
               "new_tokens": args.new_tokens, "prompt_tokens": {k: len(v) for k, v in prompts.items()}, "rows": rows}
     args.out.write_text(json.dumps(record, indent=1))
     print(f"\n{device} · {args.dtype} · {args.new_tokens} new tokens · commit {commit}")

@@ -99,12 +99,12 @@ def validate(
     evidence: Path = typer.Option(Path("specdec-validate.json"), help="JSON evidence file to write"),
 ):
     """Run the lossless gates; print a pass/fail table and write a JSON evidence file. Exit 1 on a failure."""
-    import datetime
     import json
 
     from rich.table import Table
 
     from specdec import gates
+    from specdec.evidence import git_commit, now_utc
 
     engines = ["torch", "jax"] if engine == "all" else [engine]
     context = tokens + len(prompt) + 64  # the prompt's tokens are fewer than its characters
@@ -125,7 +125,7 @@ def validate(
         table.add_row(r.name, "[green]pass[/green]" if r.passed else "[red]FAIL[/red]", ", ".join(f"{k}={v}" for k, v in shown.items()))
     Console().print(table)
     record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": _git_commit(),
+        "date": now_utc(), "commit": git_commit(),
         "target": str(target or "embedded gemma-3-270m"), "prompt": prompt, "tokens": tokens,
         "passed": all(r.passed for r in results),
         "gates": [{"name": r.name, "passed": r.passed, "detail": r.detail} for r in results],
@@ -150,15 +150,6 @@ def _load_for_gates(engine, target, device, dtype, k_max, context):
     from specdec.verifiers.jax_engine import gate_engines
 
     return SimpleNamespace(tokenizer=loaded.tokenizer, engines=gate_engines(loaded.engine))
-
-
-def _git_commit() -> str | None:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 @app.command("import-gguf")

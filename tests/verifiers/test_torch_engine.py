@@ -82,3 +82,12 @@ def test_fused_cycle_graph_matches_eager(random_checkpoints):
         runs.append(run_cycles(cycle, prompts, 4, StopCondition(600)).tokens)
     assert runs[0] == runs[1]
     assert len(runs[0][0]) == 600
+
+
+def test_compiled_forward_matches_eager(model):
+    """torch.compile fuses the forward (the default on CUDA): same logits up to float reassociation,
+    and the same greedy tokens here."""
+    prompt = [2, 17, 99, 5, 300, 41]
+    eager = TorchEngine(model, max_seq_len=128, compile=False).greedy_decode(prompt, 12)
+    compiled = TorchEngine(model, max_seq_len=128, compile=True).greedy_decode(prompt, 12)
+    assert compiled == eager
