@@ -147,9 +147,7 @@ def _load_for_gates(engine, target, device, dtype, k_max, context):
     loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=k_max, max_seq_len=context)
     if engine == "torch":
         return SimpleNamespace(tokenizer=loaded.tokenizer, engines=gates.torch_engines(loaded.engine.model))
-    from specdec.verifiers.jax_engine import gate_engines
-
-    return SimpleNamespace(tokenizer=loaded.tokenizer, engines=gate_engines(loaded.engine))
+    return SimpleNamespace(tokenizer=loaded.tokenizer, engines=gates.jax_engines(loaded.engine))
 
 
 @app.command("import-gguf")

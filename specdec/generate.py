@@ -32,6 +32,7 @@ class SpecStats:
     accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    rejected_at: list[int] = field(default_factory=list)  # row 0's emitted-token index of each rejected draft
     wall_s: float = 0.0
     baseline_tok_s: float | None = None
 
@@ -39,7 +40,10 @@ class SpecStats:
         self.drafted_at = self.drafted_at or [0] * self.k
         self.accepted_at = self.accepted_at or [0] * self.k
 
-    def record(self, draft_len: int, num_accepted: int, emitted: int, kept: int) -> None:
+    def record(self, draft_len: int, num_accepted: int, emitted: int, kept: int, first_index: int | None = None) -> None:
+        """One row's cycle; `first_index` (row 0 only) is the index its first emitted token takes."""
+        if first_index is not None and num_accepted < draft_len:
+            self.rejected_at.append(first_index + num_accepted)
         self.cycles += 1
         self.emitted += emitted
         self.kept += kept
@@ -234,9 +238,10 @@ def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
             if done[b]:
                 continue
             new = result.emitted(b)
+            first_index = len(rows[b]) if b == 0 else None
             kept, done[b] = stop.take(rows[b], new)
             rows[b].extend(kept)
-            stats.record(int(result.draft_len[b]), int(result.num_accepted[b]), len(new), len(kept))
+            stats.record(int(result.draft_len[b]), int(result.num_accepted[b]), len(new), len(kept), first_index)
             if on_tokens is not None:
                 on_tokens(b, kept)
     stats.wall_s = time.perf_counter() - start

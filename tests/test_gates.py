@@ -40,10 +40,8 @@ def test_self_draft(eager):
 def test_greedy_gate_fails_on_a_real_divergence(eager):
     """A drafter-independent bug (here: a verifier that corrupts one emitted position) must fail the
     gate, with the divergence and the target's margin reported."""
-    make = eager.make
-
     def corrupting(k_max):
-        engine = make(k_max)
+        engine = eager.build(k_max)
         verify = engine.verify
 
         def wrong_verify(tokens):
@@ -57,8 +55,8 @@ def test_greedy_gate_fails_on_a_real_divergence(eager):
         engine.verify = wrong_verify
         return engine
 
-    honest_plain = lambda _engine, prompt, n: eager.plain_decode(make(8), prompt, n)  # noqa: E731
-    broken = gates.EngineUnderTest("torch/broken", corrupting, honest_plain, eager.next_token_logits, eager.near_tie)
+    honest_plain = lambda _engine, prompt, n: eager.plain_decode(eager.build(8), prompt, n)  # noqa: E731
+    broken = gates.EngineUnderTest("torch/broken", corrupting, honest_plain, eager.near_tie)
     (result,) = gates.gate_greedy(broken, PROMPT, 60, ks=[2])
     assert not result.passed
     assert result.detail["first_divergence"] == 20
