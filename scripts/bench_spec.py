@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from functools import partial
 from pathlib import Path
 
 from specdec import gates
@@ -81,7 +80,7 @@ def timed(fn, repeats=2):
 def bench_torch(target: Path, prompts: dict, new_tokens: int, dtype: str, rows: list):
     import torch
 
-    from specdec.drafters.ngram import NgramDrafter, ngram_propose_torch
+    from specdec.drafters.ngram import NgramDrafter
     from specdec.generate import StopCondition, run_cycles, speculative_generate
     from specdec.models.torch_gemma import GemmaModel
     from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
@@ -98,7 +97,7 @@ def bench_torch(target: Path, prompts: dict, new_tokens: int, dtype: str, rows: 
             secs, gen = timed(lambda: speculative_generate(engine, NgramDrafter(), [ids], k, stop))
             rows.append(dict(engine="torch", method="ngram host loop", prompt=name, k=k, tok_s=len(gen.tokens[0]) / secs,
                              tau=gen.stats.tau, lossless=losslessness(eut, ids, out, gen.tokens[0])))
-            cycle = FusedCycle(engine, partial(ngram_propose_torch, min_ngram=1, max_ngram=3), k)
+            cycle = FusedCycle(engine, NgramDrafter().device_draft_fn("torch", k), k)
             secs, gen = timed(lambda: run_cycles(cycle, [ids], k, stop))
             rows.append(dict(engine="torch", method="ngram fused graph", prompt=name, k=k, tok_s=len(gen.tokens[0]) / secs,
                              tau=gen.stats.tau, lossless=losslessness(eut, ids, out, gen.tokens[0])))
@@ -110,12 +109,12 @@ def bench_torch(target: Path, prompts: dict, new_tokens: int, dtype: str, rows: 
 def bench_jax(target: Path, prompts: dict, new_tokens: int, dtype: str, rows: list):
     import jax.numpy as jnp
 
-    from specdec.drafters.ngram import ngram_propose_jax
+    from specdec.drafters.ngram import NgramDrafter
     from specdec.verifiers.jax_engine import JaxEngine
 
     engine = JaxEngine.from_checkpoint(target, dtype=getattr(jnp, dtype), max_seq_len=2048, k_max=max(KS))
     (eut,) = gates.jax_engines(engine)
-    draft_fns = {k: partial(_jax_ngram, ngram_propose_jax, k) for k in KS}
+    draft_fns = {k: NgramDrafter().device_draft_fn("jax", k) for k in KS}
     for name, ids in prompts.items():
         secs, out = timed(lambda: engine.generate_fused(ids, new_tokens))
         rows.append(dict(engine="jax", method="plain fused loop", prompt=name, k=0, tok_s=len(out) / secs, tau=1.0,
@@ -129,12 +128,6 @@ def bench_jax(target: Path, prompts: dict, new_tokens: int, dtype: str, rows: li
             tau = float(state.generated[0]) / max(int(state.cycles[0]), 1)
             rows.append(dict(engine="jax", method="ngram fused loop", prompt=name, k=k, tok_s=len(spec) / secs, tau=tau,
                              lossless=losslessness(eut, ids, out, spec)))
-
-
-def _jax_ngram(propose, k, state):
-    """The n-gram rule over the loop's token buffer; the pending token ends each row's context."""
-    draft, _ = propose(state.tokens, state.length + 1, k)
-    return draft
 
 
 def bench_transformers(target: Path, prompts: dict, new_tokens: int, dtype: str, rows: list):

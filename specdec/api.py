@@ -103,10 +103,13 @@ def generate(
     chat: bool = False,
     on_text: Callable[[int, str], None] | None = None,
     fused: bool | None = None,
+    compare_plain: bool = False,
 ) -> tuple[list[str], Generation]:
     """Generate a completion per prompt; returns the texts and the Generation (tokens, SpecStats).
     `on_text(row, text)` streams decoded text as tokens are accepted. `fused` runs the n-gram drafter on
-    the device inside one CUDA graph per cycle (greedy, torch engine); None: whenever that applies."""
+    the device inside one CUDA graph per cycle (greedy, torch engine); None: whenever that applies.
+    `compare_plain` first runs a plain decode of the same prompts on the same engine, so the stats
+    carry the speedup over it."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not isinstance(target, Target):
         target = load(target, batch=len(prompts), k_max=max(k, 0))
@@ -126,7 +129,22 @@ def generate(
         if text and on_text is not None:
             on_text(row, text)
 
-    result = speculative_generate(target.engine, make_drafter(drafter), ids, k, stop, sampling, on_tokens=stream)
+    fusable = target.engine_name == "torch" and drafter == "ngram" and sampling.greedy and k > 0
+    if fused and not fusable:
+        raise SpecdecError("--fused needs the torch engine, the ngram drafter, greedy sampling and k >= 1")
+    baseline = None
+    if compare_plain:  # after a short warm-up, so neither side pays first-touch costs (weights are mmapped)
+        speculative_generate(target.engine, None, ids, 0, StopCondition(2), sampling)
+        baseline = speculative_generate(target.engine, None, ids, 0, stop, sampling).stats.tok_s
+    if fused or (fused is None and fusable and target.engine.use_graphs):
+        from specdec.generate import run_cycles
+        from specdec.verifiers.torch_engine import FusedCycle
+
+        cycle = FusedCycle(target.engine, make_drafter(drafter).device_draft_fn("torch", k), k)
+        result = run_cycles(cycle, ids, k, stop, on_tokens=stream)
+    else:
+        result = speculative_generate(target.engine, make_drafter(drafter), ids, k, stop, sampling, on_tokens=stream)
+    result.stats.baseline_tok_s = baseline
     if on_text is not None:
         for row, dec in enumerate(decoders):
             if tail := dec.flush():

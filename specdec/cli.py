@@ -52,6 +52,7 @@ def generate(
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
     max_seq_len: int = typer.Option(4096, help="context length the KV cache holds"),
     fused: Optional[bool] = typer.Option(None, help="n-gram draft+verify+accept in one CUDA graph (default: on CUDA, greedy)"),
+    compare_plain: bool = typer.Option(False, help="also time a plain decode first and report the speedup"),
 ):
     """Generate text, streaming it, then print tau, acceptance and tok/s."""
     import specdec
@@ -71,7 +72,7 @@ def generate(
 
     _, result = specdec.generate(
         prompt, loaded, drafter=drafter, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
-        stop_strings=stop, chat=chat, on_text=on_text, fused=fused,
+        stop_strings=stop, chat=chat, on_text=on_text, fused=fused, compare_plain=compare_plain,
     )
     out.write("\n")
     s = result.stats
@@ -79,7 +80,8 @@ def generate(
     err.print(
         f"[dim]{engine} · drafter {drafter if k else 'none'} · k={s.k} · {s.kept} tokens in {s.wall_s:.2f}s · "
         f"{s.tok_s:.1f} tok/s · tau {s.tau:.2f} · acceptance {s.acceptance_rate:.2f}"
-        + (f" [{per_pos}]" if per_pos else "") + "[/dim]",
+        + (f" [{per_pos}]" if per_pos else "")
+        + (f" · {s.speedup:.2f}x plain decode ({s.baseline_tok_s:.1f} tok/s)" if s.speedup else "") + "[/dim]",
         highlight=False,
     )
 

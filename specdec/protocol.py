@@ -72,3 +72,18 @@ class Drafter(Protocol):
         """Tokens emitted per row this cycle (accepted drafts + the target's token), and the target's
         hidden states of the verified rows when the verifier was asked for them."""
         ...
+
+
+# A drafter that can run on the device, inside a fused loop (one CUDA graph replay per cycle, or a JAX
+# while_loop), offers a pure function of the device token buffer:
+#     draft_fn(tokens [B, L], context_len [B]) -> (draft [B, k], draft_len [B])
+# where tokens[b, :context_len[b]] is row b's context (prompt + emitted, the pending token last) and k is
+# fixed when the function is made. Fixed shapes, no host synchronisation.
+DeviceDraftFn = Any
+
+
+@runtime_checkable
+class DeviceDrafter(Drafter, Protocol):
+    def device_draft_fn(self, framework: str, k: int) -> DeviceDraftFn:
+        """The drafter as a device function for "torch" or "jax", proposing up to k tokens."""
+        ...

@@ -106,3 +106,30 @@ def test_prompt_longer_than_the_context(ckpt):
 def test_bad_flags(ckpt, flags, needle):
     code, _, err = run("generate", "Hello", "--target", str(ckpt), *flags)
     one_line_error(code, err, needle)
+
+
+def test_fused_flag_needs_a_fusable_setup(ckpt):
+    code, _, err = run("generate", "Hello", "--target", str(ckpt), "--fused", "--temperature", "0.7")
+    one_line_error(code, err, "--fused needs")
+
+
+def test_fused_cycle_from_the_cli(ckpt):
+    """On CPU the fused cycle runs eagerly: same text as the host loop."""
+    outs = []
+    for flag in ("--fused", "--no-fused"):
+        code, out, err = run("generate", "Hello Hello Hello", "--target", str(ckpt), "--max-new-tokens", "12", flag)
+        assert code == 0, err
+        outs.append(out)
+    assert outs[0] == outs[1]
+
+
+def test_jax_engine_from_the_cli(ckpt):
+    code, out, err = run("generate", "Hello", "--target", str(ckpt), "--engine", "jax", "--max-new-tokens", "6")
+    assert code == 0, err
+    assert err.strip().startswith("jax") and "6 tokens" in err
+
+
+def test_compare_plain_reports_a_speedup(ckpt):
+    code, _, err = run("generate", "Hello Hello Hello", "--target", str(ckpt), "--max-new-tokens", "10", "--compare-plain")
+    assert code == 0, err
+    assert "x plain decode (" in err

@@ -84,15 +84,13 @@ def test_bad_k_and_vocab(model, random_checkpoints):
 def test_fused_ngram_cycle_matches_the_host_loop(model):
     """The device-side n-gram drafter fused with verify/accept emits what the host loop emits, with the
     same drafts (same statistics)."""
-    from functools import partial
-
-    from specdec.drafters.ngram import NgramDrafter, ngram_propose_torch
+    from specdec.drafters.ngram import NgramDrafter
     from specdec.generate import run_cycles
     from specdec.verifiers.torch_engine import FusedCycle
 
     prompts = [[2, 5, 6, 7, 5, 6, 7, 5, 6], [2, 9, 9, 9, 9]]
     host = speculative_generate(TorchEngine(model, batch=2, max_seq_len=256), NgramDrafter(), prompts, 4, StopCondition(60))
-    cycle = FusedCycle(TorchEngine(model, batch=2, max_seq_len=256), partial(ngram_propose_torch, min_ngram=1, max_ngram=3), 4)
+    cycle = FusedCycle(TorchEngine(model, batch=2, max_seq_len=256), NgramDrafter().device_draft_fn("torch", 4), 4)
     fused = run_cycles(cycle, prompts, 4, StopCondition(60))
     assert fused.tokens == host.tokens
     assert fused.stats.as_dict()["per_position_acceptance"] == host.stats.as_dict()["per_position_acceptance"]

@@ -18,6 +18,7 @@ tokens[e - m] == tokens[len - 1 - m], built up for m = 0..max_ngram-1 in O(L * m
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 
@@ -79,6 +80,13 @@ class NgramDrafter:
     def observe(self, emitted: list[list[int]], hidden=None) -> None:
         for ctx, new in zip(self.context, emitted):
             ctx.extend(new)
+
+    def device_draft_fn(self, framework: str, k: int):
+        """The same rule over a device token buffer (see specdec.protocol.DeviceDrafter)."""
+        propose = {"torch": ngram_propose_torch, "jax": ngram_propose_jax}.get(framework)
+        if propose is None:
+            raise SpecdecError(f"unknown framework {framework!r}: use 'torch' or 'jax'")
+        return partial(propose, k=k, min_ngram=self.min_ngram, max_ngram=self.max_ngram)
 
 
 def ngram_propose_torch(tokens, lengths, k: int, min_ngram: int = 1, max_ngram: int = 3):

@@ -102,7 +102,8 @@ class DecodeState(NamedTuple):
     cycles: jax.Array  # [B] verify cycles run while not done (tau = generated / cycles)
 
 
-DraftFn = Callable[[DecodeState], jax.Array]  # state -> [B, k] drafts continuing tokens[b, :length[b] + 1]
+# A device drafter's function (specdec.protocol.DeviceDrafter): (tokens, context_len) -> (draft [B, k], draft_len [B]).
+DraftFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
 class JaxEngine:
@@ -176,14 +177,18 @@ class JaxEngine:
         B = state.length.shape[0]
         rows = jnp.arange(B)[:, None]
         pending = state.tokens[rows, state.length[:, None]]
-        draft = jnp.zeros((B, 0), jnp.int32) if draft_fn is None else draft_fn(state).astype(jnp.int32)
+        if draft_fn is None:
+            draft, draft_len = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
+        else:  # the pending token at tokens[b, length[b]] ends each row's context
+            draft, draft_len = draft_fn(state.tokens, state.length + 1)
+            draft, draft_len = draft.astype(jnp.int32), draft_len.astype(jnp.int32)
         k = draft.shape[1]
         if k > self.k_max:
             raise SpecdecError(f"the drafter proposes {k} tokens, more than the engine's k_max of {self.k_max}")
         offsets = jnp.arange(k + 1, dtype=jnp.int32)
         positions = state.length[:, None] + offsets
         logits, _, cache = forward(params, self.cfg, jnp.concatenate([pending, draft], axis=1), positions, state.cache)
-        num_accepted, next_token = accept_greedy(draft, jnp.full((B,), k, jnp.int32), logits)
+        num_accepted, next_token = accept_greedy(draft, draft_len, logits)
         # Accepted drafts, then the target's token; entries past it are overwritten by the next cycle.
         padded_draft = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
         emitted = jnp.where(offsets < num_accepted[:, None], padded_draft, next_token[:, None].astype(jnp.int32))

@@ -150,8 +150,7 @@ class FusedCycle:
     token buffer, verify, accept, append the emitted tokens to the buffer, advance the cache. The host
     reads only the small per-row result (one sync per cycle). Eager on CPU, same operations.
 
-    `draft_fn(buffer [B, L], context_len [B], k) -> (draft [B, k], draft_len [B])`, capturable
-    (e.g. specdec.drafters.ngram.ngram_propose_torch)."""
+    `draft_fn` is a device drafter's function (specdec.protocol.DeviceDrafter) proposing k tokens."""
 
     def __init__(self, engine: TorchEngine, draft_fn, k: int):
         if not 1 <= k <= engine.k_max:
@@ -172,7 +171,7 @@ class FusedCycle:
         from specdec.acceptance.torch_rule import accept_greedy
 
         engine, k = self.engine, self.k
-        draft, draft_len = self.draft_fn(self.buffer, self.context_len, k)
+        draft, draft_len = self.draft_fn(self.buffer, self.context_len)
         pending = self.buffer.gather(1, (self.context_len - 1)[:, None])
         logits = engine._forward(torch.cat([pending, draft], dim=1)).logits
         num_accepted, next_token = accept_greedy(draft, draft_len, logits)

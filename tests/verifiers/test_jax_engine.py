@@ -84,10 +84,11 @@ def test_device_drafter_inside_the_loop_keeps_greedy_output(engine, reference):
     n = 200
     sequence = jnp.asarray(PROMPT + reference[:n] + [0] * K_MAX, jnp.int32)
 
-    def draft_fn(state):
-        index = state.length[:, None] + 1 + jnp.arange(K_MAX)
+    def draft_fn(tokens, context_len):
+        index = context_len[:, None] + jnp.arange(K_MAX)
         drafts = sequence[index]
-        return jnp.where(index % 7 == 3, (drafts + 1) % engine.vocab_size, drafts)
+        drafts = jnp.where(index % 7 == 3, (drafts + 1) % engine.vocab_size, drafts)
+        return drafts, jnp.full(context_len.shape, K_MAX)
 
     state = engine.begin_decode(PROMPT, n, draft_fn)
     state = engine.decode_fused(state, n, draft_fn=draft_fn)

@@ -67,15 +67,13 @@ def test_cuda_graphs_bit_identical_to_eager(random_checkpoints, dtype):
 
 @pytest.mark.gpu
 def test_fused_cycle_graph_matches_eager(random_checkpoints):
-    from functools import partial
-
-    from specdec.drafters.ngram import ngram_propose_torch
+    from specdec.drafters.ngram import NgramDrafter
     from specdec.generate import StopCondition, run_cycles
     from specdec.verifiers.torch_engine import FusedCycle
 
     m = GemmaModel.from_checkpoint(random_checkpoints["gemma4_e"], dtype=torch.bfloat16, device="cuda", max_seq_len=1024)
     prompts = [[2, 5, 6, 7, 5, 6, 7, 5, 6], [2, 9, 9, 9, 9]]
-    draft = partial(ngram_propose_torch, min_ngram=1, max_ngram=3)
+    draft = NgramDrafter().device_draft_fn("torch", 4)
     runs = []
     for graphs in (False, True):
         cycle = FusedCycle(TorchEngine(m, batch=2, max_seq_len=1024, cuda_graphs=graphs), draft, 4)
