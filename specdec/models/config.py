@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from specdec.errors import SpecdecError
 
 SLIDING = "sliding_attention"
@@ -102,6 +104,16 @@ class GemmaConfig:
     def layer(self, i: int) -> LayerSpec:
         return self.layers[i]
 
+    def kind_head_dim(self, kind: str) -> int:
+        """head_dim of the layers of a kind (Gemma 4's full layers have their own)."""
+        return next((s.head_dim for s in self.layers if s.kind == kind), self.head_dim)
+
+    def cache_slots(self, max_seq_len: int, k_max: int) -> dict[str, int]:
+        """KV-cache slots per layer kind: full layers hold every position; sliding layers a ring of
+        window + k_max, so a rejected draft never overwrites a position still inside the next query's
+        window (DESIGN.md, "Rules that keep it lossless")."""
+        return {FULL: max_seq_len, SLIDING: min(self.sliding_window + k_max, max_seq_len)}
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "GemmaConfig":
         model_type = raw.get("model_type")
@@ -126,6 +138,18 @@ class GemmaConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise SpecdecError(f"{path}: unreadable config ({e})") from None
         return cls.from_dict(raw, str(path))
+
+
+def rope_inv_freq(spec: RopeSpec, head_dim: int) -> np.ndarray:
+    """float32 inverse frequencies over head_dim/2 pairs (rotate-half layout). Proportional RoPE rotates
+    the first partial_rotary_factor of the pairs, with frequencies taken over the full head_dim, and
+    leaves the rest."""
+    f32 = np.float32
+    rotated = int(spec.partial_rotary_factor * head_dim // 2) if spec.rope_type == "proportional" else head_dim // 2
+    exponents = np.arange(0, 2 * rotated, 2).astype(f32) / f32(head_dim)
+    inv = (f32(1.0) / (f32(spec.theta) ** exponents)).astype(f32)
+    inv = np.concatenate([inv, np.zeros(head_dim // 2 - rotated, f32)])
+    return (inv / f32(spec.factor)).astype(f32)
 
 
 def _required(raw: dict, key: str, source: str):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
-from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec
+from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq
 
 Params = dict[str, jax.Array]
 Cache = dict[str, Any]  # {"keys": [per layer], "values": [per layer], "slot_pos": {kind: [B, S] int32}}
@@ -62,17 +62,11 @@ def _random_normal(key, shape, dtype, std):
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
 
-def cache_slots(cfg: GemmaConfig, max_seq_len: int, k_max: int) -> dict[str, int]:
-    """Slots per kind: full layers hold every position; sliding layers a ring of window + k_max, so a
-    rejected draft never overwrites a position still inside the next query's window."""
-    return {FULL: max_seq_len, SLIDING: min(cfg.sliding_window + k_max, max_seq_len)}
-
-
 def init_cache(cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype=None) -> Cache:
     """Empty cache: keys/values [B, n_kv, slots, head_dim] for layers owning a cache (values None for
     k_eq_v layers, both None for KV-shared layers), slot positions -1."""
     dtype = dtype or default_dtype()
-    slots = cache_slots(cfg, max_seq_len, k_max)
+    slots = cfg.cache_slots(max_seq_len, k_max)
     keys, values = [], []
     for spec in cfg.layers:
         if not spec.owns_cache:
@@ -113,18 +107,6 @@ def _rms_norm(x, weight, cfg: GemmaConfig):
     return normed.astype(x.dtype)
 
 
-def rope_inv_freq(spec: RopeSpec, head_dim: int) -> np.ndarray:
-    """float32 inverse frequencies over head_dim/2 pairs (rotate-half layout), as torch_gemma builds them.
-    Proportional RoPE rotates the first partial_rotary_factor of the pairs with frequencies over the full
-    head_dim and leaves the rest."""
-    f32 = np.float32
-    rotated = int(spec.partial_rotary_factor * head_dim // 2) if spec.rope_type == "proportional" else head_dim // 2
-    exponents = np.arange(0, 2 * rotated, 2).astype(f32) / f32(head_dim)
-    inv = (f32(1.0) / (f32(spec.theta) ** exponents)).astype(f32)
-    inv = np.concatenate([inv, np.zeros(head_dim // 2 - rotated, f32)])
-    return (inv / f32(spec.factor)).astype(f32)
-
-
 def _rope_cos_sin(inv_freq: np.ndarray, positions, dtype):
     """cos, sin [..., head_dim] at integer positions: the rows torch_gemma reads from its float32 tables."""
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
@@ -141,10 +123,6 @@ def _apply_rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
 
 
-def _kind_head_dim(cfg: GemmaConfig, kind: str) -> int:
-    return next((s.head_dim for s in cfg.layers if s.kind == kind), cfg.head_dim)
-
-
 # -- the chunk's context: rope and masks shared by every layer of a kind ---------------------------------
 
 
@@ -154,7 +132,7 @@ def _chunk_context(cfg: GemmaConfig, positions, cache: Cache, dtype) -> dict:
     causal = jnp.tril(jnp.ones((T, T), bool))
     ctx = {"cos": {}, "sin": {}, "cached_cos": {}, "cached_sin": {}, "mask": {}}
     for kind in KINDS:
-        inv_freq = rope_inv_freq(cfg.rope[kind], _kind_head_dim(cfg, kind))
+        inv_freq = rope_inv_freq(cfg.rope[kind], cfg.kind_head_dim(kind))
         cos, sin = _rope_cos_sin(inv_freq, positions, dtype)
         ctx["cos"][kind], ctx["sin"][kind] = cos[:, :, None], sin[:, :, None]  # [B, T, 1, hd]
         stored = cache["slot_pos"][kind]  # [B, S]

@@ -17,35 +17,22 @@ Cache semantics (shared with the JAX model, see DESIGN.md):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec
+from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, rope_inv_freq
 
 # Experts are gathered per token while that reads fewer weights than running every expert densely.
 def _gather_experts(num_tokens: int, top_k: int, num_experts: int) -> bool:
     return num_tokens * top_k < num_experts
 
 
-def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies over head_dim/2 pairs (rotate-half layout). Proportional RoPE rotates the first
-    partial_rotary_factor of the pairs, with frequencies taken over the full head_dim, and leaves the rest."""
-    if spec.rope_type == "proportional":
-        rotated = int(spec.partial_rotary_factor * head_dim // 2)
-        inv = 1.0 / (spec.theta ** (torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / head_dim))
-        inv = torch.cat([inv, torch.zeros(head_dim // 2 - rotated)])
-    else:
-        inv = 1.0 / (spec.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    return inv / spec.factor
-
-
 def rope_tables(spec: RopeSpec, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [max_len, head_dim] in float32, indexed by absolute position."""
-    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * rope_inv_freq(spec, head_dim)[None, :]
+    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * torch.tensor(rope_inv_freq(spec, head_dim))[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -102,7 +89,7 @@ class KVCache:
 
     @classmethod
     def allocate(cls, cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype, device) -> "KVCache":
-        slots = {FULL: max_seq_len, SLIDING: min(cfg.sliding_window + k_max, max_seq_len)}
+        slots = cfg.cache_slots(max_seq_len, k_max)
         keys: list[torch.Tensor | None] = []
         values: list[torch.Tensor | None] = []
         for spec in cfg.layers:
@@ -330,9 +317,11 @@ class GemmaModel(nn.Module):
             self.per_layer_model_projection = nn.Linear(h, ple, bias=False)
             self.per_layer_projection_norm = RMSNorm(cfg.hidden_size_per_layer_input, cfg)
         self.max_seq_len = max_seq_len
+        self._build_rope_tables()
+
+    def _build_rope_tables(self) -> None:
         for kind in (SLIDING, FULL):
-            head_dim = next((s.head_dim for s in cfg.layers if s.kind == kind), cfg.head_dim)
-            cos, sin = rope_tables(cfg.rope[kind], head_dim, max_seq_len)
+            cos, sin = rope_tables(self.cfg.rope[kind], self.cfg.kind_head_dim(kind), self.max_seq_len)
             self.register_buffer(f"cos_{kind}", cos, persistent=False)
             self.register_buffer(f"sin_{kind}", sin, persistent=False)
 
@@ -344,11 +333,7 @@ class GemmaModel(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, max_seq_len)
         model.load_state_dict(tensors, strict=True, assign=True)
-        for kind in (SLIDING, FULL):  # non-persistent buffers are rebuilt off the meta device
-            head_dim = next((s.head_dim for s in cfg.layers if s.kind == kind), cfg.head_dim)
-            cos, sin = rope_tables(cfg.rope[kind], head_dim, max_seq_len)
-            setattr(model, f"cos_{kind}", cos)
-            setattr(model, f"sin_{kind}", sin)
+        model._build_rope_tables()  # non-persistent buffers are rebuilt off the meta device
         return model.to(device).eval()
 
     @property
