@@ -114,6 +114,15 @@ class GemmaConfig:
         window (DESIGN.md, "Rules that keep it lossless")."""
         return {FULL: max_seq_len, SLIDING: min(self.sliding_window + k_max, max_seq_len)}
 
+    def kv_cache_shapes(self, batch: int, max_seq_len: int, k_max: int) -> list[tuple[tuple[int, ...], bool] | None]:
+        """Per layer: the shape [B, n_kv, slots, head_dim] of its keys and whether it stores values too
+        (not for k_eq_v layers, whose one tensor is V); None for KV-shared layers, which own no cache."""
+        slots = self.cache_slots(max_seq_len, k_max)
+        return [
+            ((batch, s.num_kv_heads, slots[s.kind], s.head_dim), not s.k_eq_v) if s.owns_cache else None
+            for s in self.layers
+        ]
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "GemmaConfig":
         model_type = raw.get("model_type")

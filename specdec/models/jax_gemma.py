@@ -66,17 +66,10 @@ def init_cache(cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype
     """Empty cache: keys/values [B, n_kv, slots, head_dim] for layers owning a cache (values None for
     k_eq_v layers, both None for KV-shared layers), slot positions -1."""
     dtype = dtype or default_dtype()
-    slots = cfg.cache_slots(max_seq_len, k_max)
-    keys, values = [], []
-    for spec in cfg.layers:
-        if not spec.owns_cache:
-            keys.append(None)
-            values.append(None)
-            continue
-        shape = (batch, spec.num_kv_heads, slots[spec.kind], spec.head_dim)
-        keys.append(jnp.zeros(shape, dtype))
-        values.append(None if spec.k_eq_v else jnp.zeros(shape, dtype))
-    slot_pos = {kind: jnp.full((batch, n), -1, jnp.int32) for kind, n in slots.items()}
+    layout = cfg.kv_cache_shapes(batch, max_seq_len, k_max)
+    keys = [jnp.zeros(entry[0], dtype) if entry else None for entry in layout]
+    values = [jnp.zeros(entry[0], dtype) if entry and entry[1] else None for entry in layout]
+    slot_pos = {kind: jnp.full((batch, n), -1, jnp.int32) for kind, n in cfg.cache_slots(max_seq_len, k_max).items()}
     return {"keys": keys, "values": values, "slot_pos": slot_pos}
 
 

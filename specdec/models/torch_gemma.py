@@ -89,17 +89,11 @@ class KVCache:
 
     @classmethod
     def allocate(cls, cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype, device) -> "KVCache":
+        layout = cfg.kv_cache_shapes(batch, max_seq_len, k_max)
+        zeros = lambda shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        keys = [zeros(entry[0]) if entry else None for entry in layout]
+        values = [zeros(entry[0]) if entry and entry[1] else None for entry in layout]
         slots = cfg.cache_slots(max_seq_len, k_max)
-        keys: list[torch.Tensor | None] = []
-        values: list[torch.Tensor | None] = []
-        for spec in cfg.layers:
-            if not spec.owns_cache:
-                keys.append(None)
-                values.append(None)
-                continue
-            shape = (batch, spec.num_kv_heads, slots[spec.kind], spec.head_dim)
-            keys.append(torch.zeros(shape, dtype=dtype, device=device))
-            values.append(None if spec.k_eq_v else torch.zeros(shape, dtype=dtype, device=device))
         slot_pos = {kind: torch.full((batch, n), -1, dtype=torch.long, device=device) for kind, n in slots.items()}
         return cls(keys, values, slot_pos, max_seq_len, k_max)
 
