@@ -84,8 +84,6 @@ class KVCache:
     keys: list[torch.Tensor | None]  # per layer [B, n_kv, slots, head_dim]; None for KV-shared layers
     values: list[torch.Tensor | None]  # None also for k_eq_v layers (their keys tensor holds V)
     slot_pos: dict[str, torch.Tensor]  # kind -> [B, slots] int64, -1 = empty
-    max_seq_len: int
-    k_max: int
 
     @classmethod
     def allocate(cls, cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype, device) -> "KVCache":
@@ -95,7 +93,7 @@ class KVCache:
         values = [zeros(entry[0]) if entry and entry[1] else None for entry in layout]
         slots = cfg.cache_slots(max_seq_len, k_max)
         slot_pos = {kind: torch.full((batch, n), -1, dtype=torch.long, device=device) for kind, n in slots.items()}
-        return cls(keys, values, slot_pos, max_seq_len, k_max)
+        return cls(keys, values, slot_pos)
 
     def reset(self) -> None:
         for pos in self.slot_pos.values():
@@ -111,8 +109,6 @@ class KVCache:
             [k[sl] if k is not None else None for k in self.keys],
             [v[sl] if v is not None else None for v in self.values],
             {kind: pos[sl] for kind, pos in self.slot_pos.items()},
-            self.max_seq_len,
-            self.k_max,
         )
 
 
@@ -136,7 +132,6 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_logit_softcapping
-        self.gemma4 = cfg.is_gemma4
         hd, nkv, h = spec.head_dim, spec.num_kv_heads, cfg.hidden_size
         self.q_proj = nn.Linear(h, cfg.num_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * hd, h, bias=False)
