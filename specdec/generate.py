@@ -101,14 +101,18 @@ class _Ops:
 
             from specdec.acceptance import jax_rule as rule
 
-            self.xp, self.rule = jnp, rule
+            self.xp = jnp
+            # Compiled once per shape: the rules run every cycle.
+            self.accept_greedy = jax.jit(rule.accept_greedy)
+            self.accept_sampled = jax.jit(rule.accept_sampled, static_argnames="params")
             self.key = jax.random.PRNGKey(sampling.seed or 0)
         else:
             import torch
 
             from specdec.acceptance import torch_rule as rule
 
-            self.xp, self.rule = torch, rule
+            self.xp = torch
+            self.accept_greedy, self.accept_sampled = rule.accept_greedy, rule.accept_sampled
             self.device = verifier.device
             self.generator = None
             if not sampling.greedy:
@@ -132,13 +136,14 @@ class _Ops:
 
     def accept(self, draft: Draft, logits):
         if self.sampling.greedy:
-            return self.rule.accept_greedy(draft.tokens, draft.lengths, logits)
+            return self.accept_greedy(draft.tokens, draft.lengths, logits)
         if self.jax:
             import jax
 
-            self.key, sub = jax.random.split(self.key)
-            return self.rule.accept_sampled(draft.tokens, draft.lengths, draft.probs, logits, self.sampling, sub)
-        return self.rule.accept_sampled(draft.tokens, draft.lengths, draft.probs, logits, self.sampling, self.generator)
+            self.key, randomness = jax.random.split(self.key)
+        else:
+            randomness = self.generator
+        return self.accept_sampled(draft.tokens, draft.lengths, draft.probs, logits, self.sampling, randomness)
 
     def empty_draft(self, batch: int) -> Draft:
         if self.jax:
