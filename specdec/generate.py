@@ -227,10 +227,22 @@ class HostCycle:
         return result
 
 
+def check_context(verifier: Verifier, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Every row's prompt and new tokens fit the verifier's context, with room for the rows a decode
+    forward writes past the last one (drafts and pads, rolled back afterwards)."""
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens + verifier.width - 1 > verifier.max_seq_len:
+        raise SpecdecError(
+            f"prompt of {longest} tokens + {max_new_tokens} new tokens does not fit the context of"
+            f" {verifier.max_seq_len} tokens ({verifier.width - 1} positions are kept for drafts)"
+        )
+
+
 def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
                on_tokens: Callable[[int, list[int]], None] | None = None) -> Generation:
     """Cycle until every row meets its stop condition; `on_tokens(row, tokens)` streams each row's
     newly kept tokens. Finished rows ride along in the fixed-shape batch, their tokens dropped."""
+    check_context(cycle.verifier, prompts, stop.max_new_tokens)
     batch = len(prompts)
     stats = SpecStats(k=k)
     rows: list[list[int]] = [[] for _ in range(batch)]

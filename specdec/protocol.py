@@ -38,6 +38,8 @@ class Verifier(Protocol):
 
     vocab_size: int
     k_max: int  # most drafts one verify takes (T = k + 1 <= k_max + 1)
+    width: int  # rows a decode forward runs and writes (>= k_max + 1; pads after the real tokens)
+    max_seq_len: int  # positions the cache holds
     hidden_layers: tuple[int, ...]  # layers whose hidden states verify returns
 
     def prefill(self, prompts: list[list[int]]) -> Array:

@@ -20,6 +20,17 @@ FULL = "full_attention"
 SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma4_text", "gemma4")
 
 
+ROW_MULTIPLE = 8
+
+
+def decode_width(k_max: int) -> int:
+    """Rows of every decode forward of an engine with drafts of up to k_max tokens: k_max + 1, rounded up
+    to a multiple of 8. One fixed width makes each row's arithmetic independent of how many real tokens
+    the forward holds; the multiple of 8 keeps every row on the same path of the matmul kernels (fp32 CPU
+    GEMMs compute the last row of a 9-row product differently from the others)."""
+    return -(-(k_max + 1) // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float
@@ -110,9 +121,10 @@ class GemmaConfig:
 
     def cache_slots(self, max_seq_len: int, k_max: int) -> dict[str, int]:
         """KV-cache slots per layer kind: full layers hold every position; sliding layers a ring of
-        window + k_max, so a rejected draft never overwrites a position still inside the next query's
-        window (DESIGN.md, "Rules that keep it lossless")."""
-        return {FULL: max_seq_len, SLIDING: min(self.sliding_window + k_max, max_seq_len)}
+        window + decode_width(k_max) - 1, so neither a rejected draft nor a pad row written past the
+        committed length overwrites a position still inside a query's window (DESIGN.md, "Rules that keep
+        it lossless")."""
+        return {FULL: max_seq_len, SLIDING: min(self.sliding_window + decode_width(k_max) - 1, max_seq_len)}
 
     def kv_cache_shapes(self, batch: int, max_seq_len: int, k_max: int) -> list[tuple[tuple[int, ...], bool] | None]:
         """Per layer: the shape [B, n_kv, slots, head_dim] of its keys and whether it stores values too

@@ -1,10 +1,12 @@
 """Gemma 3 / Gemma 4 text models in JAX: pure functions over a params pytree and a static KV cache.
 
 The math, the order of float operations and the cache semantics mirror `torch_gemma` (read its module
-docstring): sliding layers keep a ring of `window + k_max` slots and full layers `max_seq_len` slots, each
-slot remembering the absolute position written there; a chunk sees cached slots with position < its first
-position plus itself causally; its keys/values are committed after the last layer (slot = position % slots,
-the last `slots` tokens when the chunk is longer than a ring). k_eq_v layers store the normed raw K (which is
+docstring): sliding layers keep a ring of `window + decode_width(k_max) - 1` slots and full layers
+`max_seq_len` slots, each slot remembering the absolute position written there (slot = position % slots).
+A decode forward (`commit_first=True`) writes its keys/values layer by layer before attending over the
+cache alone, each row to the stored positions <= its own (row invariance); a prefill forward sees cached
+slots with position < its first position plus itself causally, and commits after the last layer (the last
+`slots` tokens when the chunk is longer than a ring). k_eq_v layers store the normed raw K (which is
 V) and rebuild K from it; KV-shared layers read their producer's cache and the producer's new keys/values.
 
 Params are the checkpoint's tensors under their stripped HF names (`layers.3.self_attn.q_proj.weight`), in
@@ -119,27 +121,39 @@ def _apply_rope(x, cos, sin):
 # -- the chunk's context: rope and masks shared by every layer of a kind ---------------------------------
 
 
-def _chunk_context(cfg: GemmaConfig, positions, cache: Cache, dtype) -> dict:
+def _chunk_context(cfg: GemmaConfig, positions, cache: Cache, dtype, commit_first: bool) -> dict:
+    """RoPE rows, masks and slots of a chunk. Committing first, the chunk's positions enter `cache` (a live
+    copy the layers write into) now, and each row may attend to the stored positions <= its own."""
     B, T = positions.shape
     start = positions[:, :1]  # chunks are contiguous: positions[:, t] = start + t
     causal = jnp.tril(jnp.ones((T, T), bool))
-    ctx = {"cos": {}, "sin": {}, "cached_cos": {}, "cached_sin": {}, "mask": {}}
+    rows = jnp.arange(B)[:, None]
+    ctx = {"cos": {}, "sin": {}, "cached_cos": {}, "cached_sin": {}, "mask": {}, "slots": {},
+           "commit_first": commit_first}
     for kind in KINDS:
         inv_freq = rope_inv_freq(cfg.rope[kind], cfg.kind_head_dim(kind))
         cos, sin = _rope_cos_sin(inv_freq, positions, dtype)
         ctx["cos"][kind], ctx["sin"][kind] = cos[:, :, None], sin[:, :, None]  # [B, T, 1, hd]
+        if commit_first:
+            slot = positions % cache["slot_pos"][kind].shape[1]
+            ctx["slots"][kind] = (rows, slot)
+            cache["slot_pos"][kind] = cache["slot_pos"][kind].at[rows, slot].set(positions, unique_indices=True)
         stored = cache["slot_pos"][kind]  # [B, S]
         if any(s.k_eq_v and s.kind == kind for s in cfg.layers):
             cos, sin = _rope_cos_sin(inv_freq, jnp.maximum(stored, 0), dtype)
             ctx["cached_cos"][kind], ctx["cached_sin"][kind] = cos[:, None], sin[:, None]  # [B, 1, S, hd]
-        visible = (stored >= 0) & (stored < start)
-        cache_mask = jnp.broadcast_to(visible[:, None, :], (B, T, stored.shape[1]))
+        if commit_first:
+            cache_mask = (stored[:, None, :] >= 0) & (stored[:, None, :] <= positions[:, :, None])  # [B, T, S]
+        else:
+            visible = (stored >= 0) & (stored < start)
+            cache_mask = jnp.broadcast_to(visible[:, None, :], (B, T, stored.shape[1]))
         chunk_mask = jnp.broadcast_to(causal[None], (B, T, T))
         if kind == SLIDING:
             window = cfg.sliding_window
             cache_mask = cache_mask & (stored[:, None, :] > positions[:, :, None] - window)
             chunk_mask = chunk_mask & (positions[:, None, :] > positions[:, :, None] - window)
-        ctx["mask"][kind] = jnp.concatenate([cache_mask, chunk_mask], axis=-1)[:, None, None]  # [B,1,1,T,S+T]
+        mask = cache_mask if commit_first else jnp.concatenate([cache_mask, chunk_mask], axis=-1)
+        ctx["mask"][kind] = mask[:, None, None]  # [B, 1, 1, T, S (+T)]
     return ctx
 
 
@@ -183,9 +197,12 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
 
     if spec.owns_cache:
         k_new, v_new, stored = _project_kv(params, cfg, spec, x, ctx)
-        writes[spec.index] = stored
-        shared_kv[spec.index] = (k_new, v_new)
-    else:
+        if ctx["commit_first"]:
+            _write_kv(cache, spec.index, ctx["slots"][kind], *stored)
+        else:
+            writes[spec.index] = stored
+            shared_kv[spec.index] = (k_new, v_new)
+    elif not ctx["commit_first"]:
         k_new, v_new = shared_kv[spec.kv_source]
     k_old, v_old = cache["keys"][spec.kv_source], cache["values"][spec.kv_source]
     if v_old is None:  # k_eq_v: the stored tensor is V; rebuild K at the stored positions
@@ -193,20 +210,18 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
         k_norm = params[f"layers.{spec.kv_source}.self_attn.k_norm.weight"]
         k_old = _keys_from_stored(k_old, k_norm, ctx["cached_cos"][kind], ctx["cached_sin"][kind])
 
-    # Attention over [cached slots | this chunk] without concatenating the cache: scores are joined for one
-    # softmax, then split again for the two value products.
-    slots = k_old.shape[2]
-    scores = jnp.concatenate(
-        [jnp.einsum("btkgd,bksd->bkgts", q, k_old), jnp.einsum("btkgd,bksd->bkgts", q, k_new)], axis=-1
-    ) * cfg.attention_scale
+    # Decode: the cache alone. Prefill: [cached slots | this chunk] without concatenating the cache; scores
+    # are joined for one softmax, then split again for the value products.
+    parts = [(k_old, v_old)] if ctx["commit_first"] else [(k_old, v_old), (k_new, v_new)]
+    scores = jnp.concatenate([jnp.einsum("btkgd,bksd->bkgts", q, k) for k, _ in parts], axis=-1)
+    scores = scores * cfg.attention_scale
     if cfg.attn_logit_softcapping is not None:
         cap = cfg.attn_logit_softcapping
         scores = jnp.tanh(scores / cap) * cap
     scores = jnp.where(ctx["mask"][kind], scores, -jnp.inf)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs[..., :slots], v_old) + jnp.einsum(
-        "bkgts,bksd->btkgd", probs[..., slots:], v_new
-    )
+    splits = np.cumsum([v.shape[2] for _, v in parts])[:-1]
+    out = sum(jnp.einsum("bkgts,bksd->btkgd", p_, v) for p_, (_, v) in zip(jnp.split(probs, splits, axis=-1), parts))
     return _linear(out.reshape(B, T, cfg.num_heads * hd), params[p + "o_proj.weight"])
 
 
@@ -281,6 +296,15 @@ def _per_layer_inputs(params: Params, cfg: GemmaConfig, tokens, embeds):
     return (context + token_part) * 2.0**-0.5
 
 
+def _write_kv(cache: Cache, index: int, slots, k, v) -> None:
+    """Decode: store layer `index`'s new keys (and values) [B, n_kv, T, hd] at their slots in the live cache."""
+    rows, slot = slots
+    cache["keys"][index] = cache["keys"][index].at[rows, :, slot].set(k.transpose(0, 2, 1, 3), unique_indices=True)
+    if v is not None:
+        cache["values"][index] = cache["values"][index].at[rows, :, slot].set(v.transpose(0, 2, 1, 3),
+                                                                                unique_indices=True)
+
+
 def _commit(cfg: GemmaConfig, cache: Cache, writes: dict, positions, x) -> Cache:
     """Write this chunk's keys/values and positions into their slots (the last `slots` tokens when the
     chunk is longer than a ring).
@@ -317,14 +341,18 @@ def forward(
     cache: Cache,
     hidden_layers: tuple[int, ...] = (),
     last_only: bool = False,
+    commit_first: bool = False,
 ):
     """Run tokens [B, T] at positions [B, T] (contiguous per row) against the cache and commit them.
     Returns (float32 logits [B, T, V] ([B, 1, V] with last_only), the hidden states after `hidden_layers`
-    [B, T, len(hidden_layers), H] or None, the new cache)."""
+    [B, T, len(hidden_layers), H] or None, the new cache). `commit_first` runs it as a decode forward
+    (module docstring); it needs T <= decode_width(k_max) of the cache's ring."""
     dtype = params["embed_tokens.weight"].dtype
     x = jnp.take(params["embed_tokens.weight"], tokens, axis=0) * jnp.asarray(cfg.hidden_size**0.5, dtype)
     per_layer = _per_layer_inputs(params, cfg, tokens, x) if cfg.has_per_layer_inputs else None
-    ctx = _chunk_context(cfg, positions, cache, dtype)
+    if commit_first:  # a live copy: the layers write their slots into it as they go
+        cache = {"keys": list(cache["keys"]), "values": list(cache["values"]), "slot_pos": dict(cache["slot_pos"])}
+    ctx = _chunk_context(cfg, positions, cache, dtype, commit_first)
     shared_kv: dict = {}
     writes: dict = {}
     taps = {}
@@ -333,7 +361,7 @@ def forward(
         x = _decoder_layer(params, cfg, spec, x, layer_input, ctx, cache, shared_kv, writes)
         if spec.index in hidden_layers:
             taps[spec.index] = x
-    new_cache = _commit(cfg, cache, writes, positions, x)
+    new_cache = cache if commit_first else _commit(cfg, cache, writes, positions, x)
     hidden = jnp.stack([taps[i] for i in hidden_layers], axis=2) if hidden_layers else None
     x = _rms_norm(x[:, -1:] if last_only else x, params["norm.weight"], cfg)
     head = params["embed_tokens.weight"] if cfg.tie_word_embeddings else params["lm_head.weight"]

@@ -8,8 +8,15 @@ Cache semantics (shared with the JAX model, see DESIGN.md):
 - sliding layers keep a ring of `window + k_max` slots (a rejected draft never overwrites a position still
   inside the next query's window); full layers keep `max_seq_len` slots. Each slot stores the absolute
   position written there; masks come from stored positions.
-- a chunk sees cached slots with position < its first position, plus itself causally. Rolling back
-  rejected drafts is therefore free: the next chunk simply starts at the first rejected position.
+- two ways to run a chunk. A *decode* forward (`commit_first=True`; what the engines run for every verify,
+  T <= k_max + 1) writes its positions and keys/values into their slots first, layer by layer, and each
+  row attends over the cache alone, to the slots holding positions <= its own. A row then reads exactly
+  the slots, values and reduction order that a one-token forward at its position reads: with one fixed
+  forward width (the engines' invariant mode) its logits are bitwise those of plain decoding. A *prefill*
+  forward (long chunks, which could overwrite ring slots their own first rows still need) attends over
+  the cached slots with position < its first position, plus itself causally, and commits at the end.
+- Rolling back rejected drafts is free either way: the next chunk starts at the first rejected position
+  and overwrites their slots; until then their positions lie beyond every query and are masked.
 - k_eq_v layers store one tensor, the normed raw K projection, which *is* V; K is rebuilt from it
   (times k_norm's weight, then RoPE at the stored positions) when read.
 - KV-shared layers read their producer's cache and the producer's new keys/values of this chunk.
@@ -121,8 +128,23 @@ class ChunkContext:
     cached_cos: dict[str, torch.Tensor]  # kind -> [B, 1, S, hd] at stored positions (k_eq_v rebuild)
     cached_sin: dict[str, torch.Tensor]
     cache_mask: dict[str, torch.Tensor]  # kind -> [B, 1, 1, T, S] bool, True = may attend
-    chunk_mask: dict[str, torch.Tensor]  # kind -> [B, 1, 1, T, T]
-    pending_writes: list  # (layer index, stored keys [B,n_kv,T,hd], values or None)
+    chunk_mask: dict[str, torch.Tensor] | None  # kind -> [B, 1, 1, T, T]; None: committed first (decode)
+    slots: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # kind -> (rows, slot, position) to write
+    pending_writes: list  # prefill: (layer index, stored keys [B,n_kv,T,hd], values or None)
+
+    @property
+    def committed_first(self) -> bool:
+        return self.chunk_mask is None
+
+
+def _write_kv(cache: KVCache, index: int, slots, keys: torch.Tensor, values: torch.Tensor | None) -> None:
+    """Store a chunk's keys (and values) [B, n_kv, T, hd] of layer `index` at their slots (the last
+    `slots` tokens when the chunk is longer than a ring)."""
+    rows, slot, _ = slots
+    n = slot.shape[1]
+    cache.keys[index].transpose(1, 2).index_put_((rows, slot), keys[:, :, -n:].transpose(1, 2))
+    if values is not None:
+        cache.values[index].transpose(1, 2).index_put_((rows, slot), values[:, :, -n:].transpose(1, 2))
 
 
 class Attention(nn.Module):
@@ -175,9 +197,12 @@ class Attention(nn.Module):
 
         if spec.owns_cache:
             k_new, v_new, stored = self.project_kv(x, ctx)
-            ctx.pending_writes.append((spec.index, *stored))
-            shared_kv[spec.index] = (k_new, v_new)
-        else:
+            if ctx.committed_first:
+                _write_kv(cache, spec.index, ctx.slots[kind], *stored)
+            else:
+                ctx.pending_writes.append((spec.index, *stored))
+                shared_kv[spec.index] = (k_new, v_new)
+        elif not ctx.committed_first:
             k_new, v_new = shared_kv[spec.kv_source]
         k_old = cache.keys[spec.kv_source]
         v_old = cache.values[spec.kv_source]
@@ -185,16 +210,20 @@ class Attention(nn.Module):
             v_old = k_old
             k_old = self._keys_from_stored(k_old, ctx.cached_cos[kind], ctx.cached_sin[kind])
 
-        # Attention over [cached slots | this chunk] without concatenating the cache: scores are joined
-        # for one softmax, then split again for the two value products.
-        slots = k_old.shape[2]
-        scores = torch.cat([q @ k_old.transpose(-1, -2), q @ k_new.transpose(-1, -2)], dim=-1) * self.scale
+        # Decode: the cache alone. Prefill: [cached slots | this chunk] without concatenating the cache;
+        # scores are joined for one softmax, then split again for the value products.
+        parts = [(k_old, v_old, ctx.cache_mask[kind])]
+        if not ctx.committed_first:
+            parts.append((k_new, v_new, ctx.chunk_mask[kind]))
+        scores = torch.cat([q @ k.transpose(-1, -2) for k, _, _ in parts], dim=-1) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        mask = torch.cat([ctx.cache_mask[kind], ctx.chunk_mask[kind]], dim=-1)
-        scores = scores.view(B, nkv, groups, T, slots + T).masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, nkv, groups * T, slots + T)
-        out = probs[..., :slots] @ v_old + probs[..., slots:] @ v_new
+        mask = torch.cat([m for _, _, m in parts], dim=-1)
+        width = scores.shape[-1]
+        scores = scores.view(B, nkv, groups, T, width).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, nkv, groups * T, width)
+        widths = [v.shape[2] for _, v, _ in parts]
+        out = sum(p @ v for p, (_, v, _) in zip(probs.split(widths, dim=-1), parts))
         out = out.view(B, nkv, groups, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.num_heads * hd)
         return self.o_proj(out)
 
@@ -352,46 +381,47 @@ class GemmaModel(nn.Module):
         context = self.per_layer_projection_norm(context.view(B, T, cfg.num_layers, p))
         return (context + token_part) * (2.0**-0.5)
 
-    def _context(self, positions: torch.Tensor, cache: KVCache) -> ChunkContext:
+    def _context(self, positions: torch.Tensor, cache: KVCache, commit_first: bool) -> ChunkContext:
+        """RoPE rows, masks and slots of a chunk. Committing first, the chunk's positions enter their slots
+        now and each row may attend to the stored positions <= its own; otherwise to the stored positions
+        before the chunk (`cache_mask`) and to the chunk causally (`chunk_mask`)."""
         B, T = positions.shape
         start = positions[:, :1]  # chunks are contiguous: positions[:, t] = start + t
-        ctx = ChunkContext({}, {}, {}, {}, {}, {}, [])
+        ctx = ChunkContext({}, {}, {}, {}, {}, None if commit_first else {}, {}, [])
         dt = self.dtype
         causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
+        rows = torch.arange(B, device=positions.device)[:, None]
         for kind in (SLIDING, FULL):
+            n = cache.slots(kind)
+            pos = positions[:, -n:]
+            ctx.slots[kind] = (rows, pos % n, pos)
+            if commit_first:
+                cache.slot_pos[kind].index_put_((rows, pos % n), pos)
             cos_t, sin_t = getattr(self, f"cos_{kind}"), getattr(self, f"sin_{kind}")
             ctx.cos[kind] = cos_t[positions].to(dt)[:, :, None, :]
             ctx.sin[kind] = sin_t[positions].to(dt)[:, :, None, :]
             stored = cache.slot_pos[kind]
             ctx.cached_cos[kind] = cos_t[stored.clamp(min=0)].to(dt)[:, None]
             ctx.cached_sin[kind] = sin_t[stored.clamp(min=0)].to(dt)[:, None]
-            visible = (stored >= 0) & (stored < start)  # [B, S]
-            cache_mask = visible[:, None, :].expand(B, T, -1)
+            if commit_first:
+                cache_mask = (stored[:, None, :] >= 0) & (stored[:, None, :] <= positions[:, :, None])  # [B, T, S]
+            else:
+                cache_mask = ((stored >= 0) & (stored < start))[:, None, :].expand(B, T, -1)
             chunk_mask = causal[None].expand(B, T, T)
             if kind == SLIDING:
                 window = self.cfg.sliding_window
                 cache_mask = cache_mask & (stored[:, None, :] > positions[:, :, None] - window)
                 chunk_mask = chunk_mask & (positions[:, None, :] > positions[:, :, None] - window)
             ctx.cache_mask[kind] = cache_mask[:, None, None]
-            ctx.chunk_mask[kind] = chunk_mask[:, None, None]
+            if not commit_first:
+                ctx.chunk_mask[kind] = chunk_mask[:, None, None]
         return ctx
 
-    def _commit(self, ctx: ChunkContext, positions: torch.Tensor, cache: KVCache) -> None:
-        """Write this chunk's keys/values and positions into their slots (the last `slots` tokens when the
-        chunk is longer than a ring)."""
-        B = positions.shape[0]
-        rows = torch.arange(B, device=positions.device)[:, None]
-        for kind in (SLIDING, FULL):
-            n = cache.slots(kind)
-            pos = positions[:, -n:]
-            slot = pos % n
-            for index, k, v in ctx.pending_writes:
-                if self.cfg.layers[index].kind != kind:
-                    continue
-                k = k[:, :, -n:].transpose(1, 2)  # [B, T', n_kv, hd]
-                cache.keys[index].transpose(1, 2).index_put_((rows, slot), k)
-                if v is not None:
-                    cache.values[index].transpose(1, 2).index_put_((rows, slot), v[:, :, -n:].transpose(1, 2))
+    def _commit(self, ctx: ChunkContext, cache: KVCache) -> None:
+        """Prefill: write the chunk's keys/values and positions into their slots after the last layer."""
+        for index, k, v in ctx.pending_writes:
+            _write_kv(cache, index, ctx.slots[self.cfg.layers[index].kind], k, v)
+        for kind, (rows, slot, pos) in ctx.slots.items():
             cache.slot_pos[kind].index_put_((rows, slot), pos)
 
     def forward(
@@ -401,21 +431,24 @@ class GemmaModel(nn.Module):
         cache: KVCache,
         hidden_layers: tuple[int, ...] = (),
         last_only: bool = False,
+        commit_first: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens [B, T] at positions [B, T] (contiguous per row) and commit them to the cache.
         Returns float32 logits [B, T, V] ([B, 1, V] with last_only) and, when hidden_layers is given,
-        the hidden states after those layers, [B, T, len(hidden_layers), H]."""
+        the hidden states after those layers, [B, T, len(hidden_layers), H]. `commit_first` runs it as a
+        decode forward (module docstring); it needs T <= k_max + 1 of the cache's ring."""
         cfg = self.cfg
         x = self._embed(tokens)
         per_layer = self._per_layer_inputs(tokens, x) if cfg.has_per_layer_inputs else None
-        ctx = self._context(positions, cache)
+        ctx = self._context(positions, cache, commit_first)
         shared_kv: dict = {}
         taps = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, per_layer[:, :, i] if per_layer is not None else None, ctx, cache, shared_kv)
             if i in hidden_layers:
                 taps[i] = x
-        self._commit(ctx, positions, cache)
+        if not commit_first:
+            self._commit(ctx, cache)
         hidden = torch.stack([taps[i] for i in hidden_layers], dim=2) if hidden_layers else None
         x = self.norm(x[:, -1:] if last_only else x)
         head = self.lm_head.weight if not cfg.tie_word_embeddings else self.embed_tokens.weight

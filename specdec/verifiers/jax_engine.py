@@ -1,11 +1,18 @@
 """The JAX verifier: jax_gemma's forward compiled once per T bucket, and greedy decode fused on the device.
 
-- `verify` pads T up to a bucket (1 or k_max + 1) so only a few forwards are ever compiled; the cache is
-  donated, so XLA updates it in place. Padding is harmless: padded tokens sit after the real ones (causal),
-  and the slots they take are those of a full k_max + 1 verify, which the ring is sized for.
+- Row invariance (the default, `invariant=True`, as in torch_engine): every decode forward, plain or
+  verify, host-driven or inside the fused loop, runs `decode_width(k_max)` rows wide as a commit-first
+  forward, so a row's logits do not depend on how many real tokens share the forward. The logits leave
+  each forward through an optimization barrier, so XLA cannot shrink the LM head to the rows a program
+  happens to read (a 1-row product rounds differently). `invariant=False` compiles buckets of 1 and
+  k_max + 1 tokens instead; its speculative output can differ from plain decoding at near-ties.
+- `verify` pads T up to its bucket; the cache is donated, so XLA updates it in place. Padding is
+  harmless: padded tokens sit after the real ones (causal), and the slots they take are those of a
+  full-width verify, which the ring is sized for.
 - Prompts prefill one row at a time in chunks of `prefill_chunk`, the tail in chunks of k_max + 1 with at
   most k_max pad tokens, for the same reason: a pad written at position p takes the ring slot of p - slots,
-  which stays outside every later query's window only while p is within k_max of the next real token.
+  which stays outside every later query's window only while p is within the decode width of the next
+  real token.
 - `generate_fused` runs the whole decode in one `lax.while_loop` dispatch. Its body, `decode_step`, is one
   draft -> verify -> accept -> commit cycle; with no drafter it is plain greedy decode (k = 0). A device-side
   drafter plugs in as `draft_fn(state) -> [B, k]` tokens and the loop stays on the device.
@@ -24,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specdec.acceptance.jax_rule import accept_greedy
 from specdec.errors import SpecdecError
-from specdec.models.config import GemmaConfig
+from specdec.generate import check_context
+from specdec.models.config import GemmaConfig, decode_width
 from specdec.models.jax_gemma import Cache, Params, forward, init_cache, load_params, reset_cache
 from specdec.protocol import VerifyOutput
 
@@ -120,6 +128,7 @@ class JaxEngine:
         hidden_layers: tuple[int, ...] = (),
         mesh: Mesh | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        invariant: bool = True,
     ):
         for layer in hidden_layers:
             if not 0 <= layer < cfg.num_layers:
@@ -127,10 +136,12 @@ class JaxEngine:
         self.cfg = cfg
         self.vocab_size = cfg.vocab_size
         self.k_max = k_max
+        self.width = decode_width(k_max)
         self.batch = batch
         self.max_seq_len = max_seq_len
         self.hidden_layers = tuple(hidden_layers)
-        self.buckets = tuple(sorted({1, k_max + 1}))
+        self.invariant = invariant
+        self.buckets = (self.width,) if invariant else tuple(sorted({1, k_max + 1}))
         self.prefill_chunk = prefill_chunk
         self.params = shard_params(params, cfg, mesh) if mesh is not None else params
         dtype = params["embed_tokens.weight"].dtype
@@ -139,7 +150,7 @@ class JaxEngine:
         self.cache = jax.device_put(cache, self._cache_shardings) if mesh is not None else cache
         self.lengths = jnp.zeros(batch, jnp.int32)
         self.dispatches = 0  # compiled calls made from the host (generate_fused makes one for the decode)
-        self._verify_fn = jax.jit(self._verify_impl, donate_argnums=1)
+        self._verify_fn = jax.jit(self._decode_forward, donate_argnums=1)
         self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=1)
         self._reset_fn = jax.jit(lambda cache: self._constrain(reset_cache(cache)), donate_argnums=0)
         self._loop_fns: dict[DraftFn | None, Callable] = {}
@@ -157,10 +168,12 @@ class JaxEngine:
             return cache
         return jax.lax.with_sharding_constraint(cache, self._cache_shardings)
 
-    def _verify_impl(self, params, cache, tokens, lengths):
+    def _decode_forward(self, params, cache, tokens, lengths):
+        """The decode forward of every verify and loop cycle: commit-first, its logits behind a barrier."""
         positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        logits, hidden, cache = forward(params, self.cfg, tokens, positions, cache, self.hidden_layers)
-        return logits, hidden, self._constrain(cache)
+        logits, hidden, cache = forward(params, self.cfg, tokens, positions, cache, self.hidden_layers,
+                                        commit_first=True)
+        return jax.lax.optimization_barrier(logits), hidden, self._constrain(cache)
 
     def _prefill_impl(self, params, cache, tokens, start, row):
         """Run one row's chunk [1, T] at positions start.. against that row of the cache."""
@@ -186,9 +199,9 @@ class JaxEngine:
         if k > self.k_max:
             raise SpecdecError(f"the drafter proposes {k} tokens, more than the engine's k_max of {self.k_max}")
         offsets = jnp.arange(k + 1, dtype=jnp.int32)
-        positions = state.length[:, None] + offsets
-        logits, _, cache = forward(params, self.cfg, jnp.concatenate([pending, draft], axis=1), positions, state.cache)
-        num_accepted, next_token = accept_greedy(draft, draft_len, logits)
+        tokens = self._pad(jnp.concatenate([pending, draft], axis=1))
+        logits, _, cache = self._decode_forward(params, state.cache, tokens, state.length)
+        num_accepted, next_token = accept_greedy(draft, draft_len, logits[:, : k + 1])
         # Accepted drafts, then the target's token; entries past it are overwritten by the next cycle.
         padded_draft = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
         emitted = jnp.where(offsets < num_accepted[:, None], padded_draft, next_token[:, None].astype(jnp.int32))
@@ -225,7 +238,7 @@ class JaxEngine:
         for prompt in prompts:
             if not prompt:
                 raise SpecdecError("empty prompt")
-            if len(prompt) + self.k_max + 1 > self.max_seq_len:
+            if len(prompt) + self.width > self.max_seq_len:
                 raise SpecdecError(
                     f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens"
                 )
@@ -254,14 +267,17 @@ class JaxEngine:
         T = tokens.shape[1]
         if T > self.k_max + 1:
             raise SpecdecError(f"{T - 1} drafts exceed the engine's k_max of {self.k_max}")
-        bucket = next(b for b in self.buckets if b >= T)
-        if bucket > T:
-            tokens = jnp.pad(tokens, ((0, 0), (0, bucket - T)), constant_values=self.cfg.pad_token_id)
+        tokens = self._pad(tokens)
         self.dispatches += 1
         logits, hidden, self.cache = self._verify_fn(self.params, self.cache, tokens, self.lengths)
-        if bucket > T:
+        if tokens.shape[1] > T:
             logits, hidden = logits[:, :T], None if hidden is None else hidden[:, :T]
         return VerifyOutput(logits, hidden)
+
+    def _pad(self, tokens):
+        """[B, T] tokens padded to the smallest bucket that holds them (pad rows after the real ones)."""
+        bucket = next(b for b in self.buckets if b >= tokens.shape[1])
+        return jnp.pad(tokens, ((0, 0), (0, bucket - tokens.shape[1])), constant_values=self.cfg.pad_token_id)
 
     def commit(self, num_tokens) -> None:
         self.lengths = self.lengths + jnp.asarray(num_tokens, jnp.int32)
@@ -271,7 +287,7 @@ class JaxEngine:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_ids=()) -> list[int]:
         """Plain greedy decode, step by step from the host: one compiled T=1 verify per token, argmax
         (lowest id on ties), stop on EOS or max tokens. The baseline generate_fused must equal."""
-        self._check_generation(prompt_ids, max_new_tokens, 0)
+        self._check_generation(prompt_ids, max_new_tokens)
         pending = self.prefill([prompt_ids])
         out: list[int] = []
         while len(out) < max_new_tokens:
@@ -292,7 +308,7 @@ class JaxEngine:
 
     def begin_decode(self, prompt_ids: list[int], max_new_tokens: int, draft_fn: DraftFn | None = None) -> DecodeState:
         """Prefill one prompt and build the loop's state (batch 1)."""
-        self._check_generation(prompt_ids, max_new_tokens, self.k_max if draft_fn else 0)
+        self._check_generation(prompt_ids, max_new_tokens)
         self.prefill([prompt_ids])
         tokens = np.zeros((1, self.max_seq_len + self.k_max + 1), np.int32)
         tokens[0, : len(prompt_ids)] = prompt_ids
@@ -321,11 +337,7 @@ class JaxEngine:
         tokens, generated = jax.device_get((state.tokens, state.generated))
         return tokens[0, prompt_len : prompt_len + min(int(generated[0]), max_new_tokens)].tolist()
 
-    def _check_generation(self, prompt_ids: list[int], max_new_tokens: int, k: int) -> None:
+    def _check_generation(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if self.batch != 1:
             raise SpecdecError("generate runs batch 1")
-        if len(prompt_ids) + max_new_tokens + k > self.max_seq_len:
-            raise SpecdecError(
-                f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens"
-                f" exceeds the context of {self.max_seq_len} tokens"
-            )
+        check_context(self, [prompt_ids], max_new_tokens)

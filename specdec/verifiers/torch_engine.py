@@ -1,11 +1,21 @@
-"""The PyTorch verifier: a GemmaModel, its static KV cache, and one forward per T bucket.
+"""The PyTorch verifier: a GemmaModel, its static KV cache, and one decode forward of fixed width.
 
-On CUDA each T = 1 .. k_max + 1 forward is captured once as a CUDA graph and replayed: the model is
-launch-bound at small batch, and a replay issues hundreds of kernels for the price of one launch.
-`compile=True` (the default on CUDA) first fuses the forward's elementwise work with torch.compile
-(one compilation, dynamic in T; ~1 minute, cached on disk by inductor), so each replay also runs far
-fewer kernels. On CPU the forwards run eagerly. Graphed and eager run the same kernels on the same
-buffers, so they give the same tokens.
+Row invariance (the default, `invariant=True`): every decode forward, a plain one-token step as much as a
+K+1-token verify, runs `decode_width(k_max)` rows wide (k_max + 1 rounded up to a multiple of 8), the
+real tokens first and pad tokens after them. Matmul,
+norm and softmax kernels are then always launched at the same shapes, and a decode forward commits its
+keys/values before attending (torch_gemma), so a row's logits, hidden states and committed keys/values are
+bitwise the same wherever it sits in the forward and whatever the rows after it hold: greedy speculative
+decoding emits exactly the plain decode's tokens, near-ties included. The pad rows cost little while
+decoding is bound by reading the weights. `invariant=False` runs each forward at its own width (faster
+for tiny K off the memory-bound regime); its speculative output can then differ from plain decoding
+where the target's top-2 logits are a floating-point near-tie.
+
+On CUDA each forward width is captured once as a CUDA graph and replayed: the model is launch-bound at
+small batch, and a replay issues hundreds of kernels for the price of one launch. `compile=True` (the
+default on CUDA) first fuses the forward's elementwise work with torch.compile (~1 minute, cached on
+disk by inductor), so each replay also runs far fewer kernels. On CPU the forwards run eagerly. Graphed
+and eager run the same kernels on the same buffers, so they give the same tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.generate import check_context
+from specdec.models.config import decode_width
 from specdec.models.torch_gemma import GemmaModel, KVCache
 from specdec.protocol import VerifyOutput
 
@@ -39,13 +51,16 @@ class TorchEngine:
         hidden_layers: tuple[int, ...] = (),
         cuda_graphs: bool | None = None,
         compile: bool | None = None,
+        invariant: bool = True,
     ):
         self.model = model
         self.cfg = model.cfg
         self.vocab_size = model.cfg.vocab_size
         self.k_max = k_max
+        self.width = decode_width(k_max)
         self.batch = batch
         self.hidden_layers = tuple(hidden_layers)
+        self.invariant = invariant
         self.device = model.embed_tokens.weight.device
         self.max_seq_len = max_seq_len or model.max_seq_len
         self.cache: KVCache = model.allocate_cache(batch, k_max, self.max_seq_len)
@@ -53,6 +68,7 @@ class TorchEngine:
         self.use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         use_compile = self.device.type == "cuda" if compile is None else compile
         self._model_fn = compiled_forward(model) if use_compile else model.forward
+        self._pad_tokens = torch.full((batch, self.width - 1), model.cfg.pad_token_id, dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, VerifyOutput]] = {}
 
     # -- the protocol -------------------------------------------------------------------------------
@@ -64,7 +80,7 @@ class TorchEngine:
         for b, prompt in enumerate(prompts):
             if not prompt:
                 raise SpecdecError("empty prompt")
-            if len(prompt) + self.k_max + 1 > self.max_seq_len:
+            if len(prompt) + self.width > self.max_seq_len:
                 raise SpecdecError(
                     f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens"
                 )
@@ -85,32 +101,45 @@ class TorchEngine:
         T = tokens.shape[1]
         if T > self.k_max + 1:
             raise SpecdecError(f"{T - 1} drafts exceed the engine's k_max of {self.k_max}")
+        padded = self.pad(tokens)
         if not self.use_graphs:
             with torch.inference_mode():
-                return self._forward(tokens)
-        if T not in self._graphs:
-            self._capture(T)
-        graph, static_tokens, out = self._graphs[T]
-        static_tokens.copy_(tokens)
-        graph.replay()
-        return out
+                out = self._forward(padded)
+        else:
+            width = padded.shape[1]
+            if width not in self._graphs:
+                self._capture(width)
+            graph, static_tokens, out = self._graphs[width]
+            static_tokens.copy_(padded)
+            graph.replay()
+        if padded.shape[1] == T:
+            return out
+        return VerifyOutput(out.logits[:, :T], None if out.hidden is None else out.hidden[:, :T])
 
     def commit(self, num_tokens: torch.Tensor) -> None:
         self.lengths += num_tokens
 
     # -- internals -------------------------------------------------------------------------------------
 
+    def pad(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, T] tokens as the forward runs them: padded to the decode width in invariant mode. Pad rows
+        come after the real ones (causal), and their cache writes lie past them: rolled back like drafts."""
+        if not self.invariant or tokens.shape[1] == self.width:
+            return tokens
+        return torch.cat([tokens, self._pad_tokens[:, : self.width - tokens.shape[1]]], dim=1)
+
     def _forward(self, tokens: torch.Tensor) -> VerifyOutput:
         T = tokens.shape[1]
         positions = self.lengths[:, None] + torch.arange(T, device=self.device)[None]
-        logits, hidden = self._model_fn(tokens, positions, self.cache, hidden_layers=self.hidden_layers)
+        logits, hidden = self._model_fn(tokens, positions, self.cache, hidden_layers=self.hidden_layers,
+                                        commit_first=True)
         return VerifyOutput(logits, hidden)
 
     def _capture(self, T: int) -> None:
         """Capture the T-token forward. Warm-up runs on a side stream, as CUDA graphs require. Warm-up and
         capture write dummy tokens at positions lengths .. lengths+T-1: exactly what rejected drafts do,
         so the next verify (which starts at lengths) never sees them."""
-        static_tokens = torch.zeros(self.batch, T, dtype=torch.long, device=self.device)
+        static_tokens = torch.full((self.batch, T), self.cfg.pad_token_id, dtype=torch.long, device=self.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
@@ -129,6 +158,7 @@ class TorchEngine:
         ties). `on_token(token)` streams each token as it is chosen."""
         if self.batch != 1:
             raise SpecdecError("greedy_decode runs batch 1")
+        check_context(self, [prompt], max_new_tokens)
         pending = self.prefill([prompt])
         out: list[int] = []
         one = torch.ones(1, dtype=torch.long, device=self.device)
@@ -155,13 +185,13 @@ class FusedCycle:
     def __init__(self, engine: TorchEngine, draft_fn, k: int):
         if not 1 <= k <= engine.k_max:
             raise SpecdecError(f"k={k} is outside 1..{engine.k_max} (the engine's captured maximum)")
-        self.engine, self.draft_fn, self.k = engine, draft_fn, k
+        self.verifier, self.draft_fn, self.k = engine, draft_fn, k
         self.buffer = torch.zeros(engine.batch, engine.max_seq_len + k + 1, dtype=torch.long, device=engine.device)
         self.context_len = torch.zeros(engine.batch, dtype=torch.long, device=engine.device)  # pending included
         self._graph: tuple[torch.cuda.CUDAGraph, tuple] | None = None
 
     def start(self, prompts: list[list[int]]) -> None:
-        self.engine.prefill(prompts)
+        self.verifier.prefill(prompts)
         self.buffer.zero_()
         for b, prompt in enumerate(prompts):
             self.buffer[b, : len(prompt)] = torch.tensor(prompt, device=self.buffer.device)
@@ -170,11 +200,11 @@ class FusedCycle:
     def _cycle(self):
         from specdec.acceptance.torch_rule import accept_greedy
 
-        engine, k = self.engine, self.k
+        engine, k = self.verifier, self.k
         draft, draft_len = self.draft_fn(self.buffer, self.context_len)
         pending = self.buffer.gather(1, (self.context_len - 1)[:, None])
-        logits = engine._forward(torch.cat([pending, draft], dim=1)).logits
-        num_accepted, next_token = accept_greedy(draft, draft_len, logits)
+        logits = engine._forward(engine.pad(torch.cat([pending, draft], dim=1))).logits
+        num_accepted, next_token = accept_greedy(draft, draft_len, logits[:, : k + 1])
         # Emitted tokens: the accepted drafts, then the target's token; slots past it get junk that
         # the next cycle overwrites (they lie beyond the new context length).
         j = torch.arange(k + 1, device=draft.device)[None]
@@ -189,7 +219,7 @@ class FusedCycle:
     def _capture(self) -> None:
         """Warm up and capture on a side stream, then put back the state the warm-up cycles advanced
         (their cache writes lie past the committed length: rolled back like rejected drafts)."""
-        engine = self.engine
+        engine = self.verifier
         saved = (self.buffer.clone(), self.context_len.clone(), engine.lengths.clone())
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -207,7 +237,7 @@ class FusedCycle:
     def step(self):
         from specdec.generate import CycleResult
 
-        if self.engine.use_graphs:
+        if self.verifier.use_graphs:
             if self._graph is None:
                 self._capture()
             graph, outputs = self._graph

@@ -130,7 +130,7 @@ def test_bad_input(engine):
     engine.prefill([[2, 5, 7]])
     with pytest.raises(SpecdecError, match="exceed the engine's k_max of 4"):
         engine.verify(jnp.zeros((1, 6), jnp.int32))
-    with pytest.raises(SpecdecError, match="exceeds the context"):
+    with pytest.raises(SpecdecError, match="does not fit the context of 1024"):
         engine.generate_fused([2, 5, 7], 1024)
 
 
