@@ -32,9 +32,15 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds activation memo
 
 
 def compiled_forward(model: GemmaModel):
-    """The model's forward under torch.compile, compiled once per model and shared by its engines."""
+    """The model's forward under torch.compile, compiled once per model and shared by its engines. Static
+    shapes first (an invariant engine runs one width); torch recompiles dynamic in T if widths vary."""
     if getattr(model, "_compiled_forward", None) is None:
-        model._compiled_forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
+        # Every model, width and batch in a process is one more compilation of GemmaModel.forward. Past
+        # dynamo's limit (8) it would silently run eager, and eager rounds differently from compiled: a
+        # plain and a speculative decode could then disagree. Allow many, and fail loudly past them.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        model._compiled_forward = torch.compile(model.forward, fullgraph=True)
     return model._compiled_forward
 
 
@@ -101,7 +107,7 @@ class TorchEngine:
         T = tokens.shape[1]
         if T > self.k_max + 1:
             raise SpecdecError(f"{T - 1} drafts exceed the engine's k_max of {self.k_max}")
-        padded = self.pad(tokens)
+        padded = self.pad(tokens.to(self.device))
         if not self.use_graphs:
             with torch.inference_mode():
                 out = self._forward(padded)
@@ -217,21 +223,29 @@ class FusedCycle:
         return num_accepted, next_token, draft, draft_len
 
     def _capture(self) -> None:
-        """Warm up and capture on a side stream, then put back the state the warm-up cycles advanced
-        (their cache writes lie past the committed length: rolled back like rejected drafts)."""
+        """Warm up and capture on a side stream, putting back the state each cycle advanced. Every one of
+        them must start from the committed state: their cache writes then lie within one forward width past
+        the committed length, rolled back like rejected drafts. Cycles chained from one another would write
+        further and overwrite ring slots that the window still needs."""
         engine = self.verifier
-        saved = (self.buffer.clone(), self.context_len.clone(), engine.lengths.clone())
+        state = (self.buffer, self.context_len, engine.lengths)
+        saved = [t.clone() for t in state]
+
+        def restore():
+            for live, snapshot in zip(state, saved):
+                live.copy_(snapshot)
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):
                 self._cycle()
+                restore()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph):
             outputs = self._cycle()
-        for live, snapshot in zip((self.buffer, self.context_len, engine.lengths), saved):
-            live.copy_(snapshot)
+        restore()
         self._graph = (graph, outputs)
 
     def step(self):

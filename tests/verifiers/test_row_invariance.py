@@ -19,13 +19,14 @@ TOKENS = np.random.default_rng(2).integers(3, 500, 27).tolist()  # fed after the
 TAPS = (0, 2)
 
 
-def torch_engine(path, dtype, batch=1, invariant=True):
+def torch_engine(path, dtype, batch=1, invariant=True, device="cpu"):
+    """On CUDA with its defaults: torch.compile and CUDA graphs."""
     import torch
 
     from specdec.models.torch_gemma import GemmaModel
     from specdec.verifiers.torch_engine import TorchEngine
 
-    model = GemmaModel.from_checkpoint(path, dtype=getattr(torch, dtype), max_seq_len=128)
+    model = GemmaModel.from_checkpoint(path, dtype=getattr(torch, dtype), device=device, max_seq_len=128)
     return TorchEngine(model, batch=batch, max_seq_len=128, k_max=K_MAX, hidden_layers=TAPS, invariant=invariant)
 
 
@@ -97,8 +98,8 @@ def feed(engine, width: int, offset: int = 0, filler=None):
         if hasattr(engine, "model"):
             import torch
 
-            out = engine.verify(torch.as_tensor(chunk))
-            engine.commit(torch.full((batch,), n))
+            out = engine.verify(torch.as_tensor(chunk, device=engine.device))
+            engine.commit(torch.full((batch,), n, device=engine.device))
         else:
             out = engine.verify(jnp.asarray(chunk, jnp.int32))
             engine.commit(jnp.full((batch,), n, jnp.int32))
@@ -157,3 +158,22 @@ def test_without_invariance_rows_differ(random_checkpoints):
     engine = torch_engine(random_checkpoints["gemma3"], "float32", invariant=False)
     plain, verified = feed(engine, 1), feed(engine, 5)
     assert not all(np.array_equal(a, b) for a, b in zip(plain[0], verified[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cuda_graphs_and_compile_rows_bitwise_invariant(random_checkpoints, variant):
+    """bf16 on the GPU, through torch.compile and CUDA graph replays (one graph per forward width)."""
+    engine = torch_engine(random_checkpoints[variant], "bfloat16", device="cuda")
+    assert engine.use_graphs
+    plain = feed(engine, 1)
+    for width in WIDTHS:
+        assert_same(plain, feed(engine, width, 2), f"cuda/{variant} T={width}")
+    other_rows = torch_engine(random_checkpoints[variant], "bfloat16", batch=3, device="cuda")
+    rng = np.random.default_rng(4)
+
+    def noise(chunk):
+        chunk[1:] = rng.integers(3, 500, chunk[1:].shape)
+        return chunk
+
+    assert_same(feed(other_rows, 5), feed(other_rows, 5, filler=noise), f"cuda/{variant} other rows")
