@@ -341,7 +341,7 @@ def gate_sampling(
     return results
 
 
-# --- gates on a real target: K=0, greedy K=1..8, self-draft -----------------------------------
+# --- gates on a real target: K=0, greedy K=1..8, self-draft, sampled speculation --------------------
 
 
 def _host(array) -> np.ndarray:
@@ -357,24 +357,25 @@ class EngineUnderTest:
     name: str
     build: Callable[[int], object]  # k_max -> a new batch-1 Verifier
     plain_decode: Callable[[object, list[int], int], list[int]]  # the engine's own plain greedy decode
-    near_tie: float  # top-2 margin (relative to |top-1 logit|) under which the dtype cannot order two tokens
+    k_max: int = 8  # every role's engine is built with it: one decode width for plain and speculative runs
+    invariant: bool = True  # row-invariant forwards (speculative output identical to plain decode)
     _built: dict = field(default_factory=dict, repr=False)
 
-    def make(self, k_max: int, role: str = "target"):
+    def make(self, role: str = "target"):
         """The engine for a role, built once: a verifier is reset by each prefill, so gates reuse it
         (and its compiled or captured forwards) across runs."""
-        if (k_max, role) not in self._built:
-            self._built[(k_max, role)] = self.build(k_max)
-        return self._built[(k_max, role)]
+        if role not in self._built:
+            self._built[role] = self.build(self.k_max)
+        return self._built[role]
 
-    def margin(self, context: list[int]) -> dict:
-        """The target's top-2 logit margin for the token after `context`, and whether it is a near-tie."""
-        verifier = self.make(8, "probe")
+    def margin(self, context: list[int]) -> float:
+        """The target's top-2 logit margin for the token after `context` (diagnosis of a divergence: a
+        margin of a few ulps means the two forwards rounded a near-tie differently)."""
+        verifier = self.make()
         pending = verifier.prefill([context])
         logits = _host(verifier.verify(pending[:, None]).logits[0, -1])
         top2 = np.sort(logits)[-2:]
-        margin, threshold = float(top2[1] - top2[0]), self.near_tie * abs(float(top2[1]))
-        return {"top2_margin": margin, "near_tie_threshold": threshold, "near_tie": margin <= threshold}
+        return float(top2[1] - top2[0])
 
 
 def token_sha256(tokens: list[int]) -> str:
@@ -384,124 +385,174 @@ def token_sha256(tokens: list[int]) -> str:
 
 
 def divergence(eut: EngineUnderTest, prompt: list[int], plain: list[int], spec: list[int]) -> dict:
-    """Where a speculative decode first left the plain one, and the target's margin there."""
+    """Where a speculative decode first left the plain one, and the target's top-2 margin there."""
     shorter = min(len(plain), len(spec))
     first = next((i for i in range(shorter) if plain[i] != spec[i]), shorter)
     return {"first_divergence": first, "plain_token": plain[first] if first < len(plain) else None,
-            "spec_token": spec[first] if first < len(spec) else None, **eut.margin(prompt + plain[:first])}
+            "spec_token": spec[first] if first < len(spec) else None,
+            "top2_margin": eut.margin(prompt + plain[:first])}
 
 
 def gate_k0(eut: EngineUnderTest, prompt: list[int], n_tokens: int) -> GateResult:
     """K=0 through the speculative loop is bit-identical to the engine's plain decode."""
     from specdec.generate import StopCondition, speculative_generate
 
-    plain = eut.plain_decode(eut.make(8), prompt, n_tokens)
-    spec = speculative_generate(eut.make(8), None, [prompt], 0, StopCondition(n_tokens)).tokens[0]
+    plain = eut.plain_decode(eut.make(), prompt, n_tokens)
+    spec = speculative_generate(eut.make(), None, [prompt], 0, StopCondition(n_tokens)).tokens[0]
     detail = {"engine": eut.name, "tokens": len(spec), "prompt_tokens": len(prompt),
               "plain_sha256": token_sha256(plain), "k0_sha256": token_sha256(spec)}
-    return GateResult(f"k0_bit_identical/{eut.name}", plain == spec and len(plain) == n_tokens, detail)
+    passed = plain == spec and len(plain) == n_tokens
+    if not passed:
+        detail.update(divergence(eut, prompt, plain, spec))
+    return GateResult(f"k0_bit_identical/{eut.name}", passed, detail)
 
 
 def gate_greedy(eut: EngineUnderTest, prompt: list[int], n_tokens: int, ks=range(1, 9), drafter_factory=None) -> list[GateResult]:
-    """Greedy speculative decode with K = 1..8 emits the plain decode's tokens. A divergence passes only
-    at a floating-point near-tie of the target (reported with its top-2 logit margin)."""
+    """Greedy speculative decode with K = 1..8 emits exactly the plain decode's tokens. Any divergence
+    fails, whatever the target's margin there (reported, with where it happened, for diagnosis)."""
     from specdec.drafters.ngram import NgramDrafter
     from specdec.generate import StopCondition, speculative_generate
 
-    plain = eut.plain_decode(eut.make(8), prompt, n_tokens)
+    plain = eut.plain_decode(eut.make(), prompt, n_tokens)
     results = []
     for k in ks:
         drafter = drafter_factory() if drafter_factory else NgramDrafter()
-        gen = speculative_generate(eut.make(max(ks)), drafter, [prompt], k, StopCondition(n_tokens))
+        gen = speculative_generate(eut.make(), drafter, [prompt], k, StopCondition(n_tokens))
         spec = gen.tokens[0]
         detail = {"engine": eut.name, "k": k, "tokens": len(spec), "tau": gen.stats.tau,
                   "acceptance": gen.stats.acceptance_rate}
-        if spec == plain:
-            results.append(GateResult(f"greedy_k{k}/{eut.name}", True, detail))
-        else:
+        if spec != plain:
             detail.update(divergence(eut, prompt, plain, spec))
-            results.append(GateResult(f"greedy_k{k}/{eut.name}", detail["near_tie"], detail))
+        results.append(GateResult(f"greedy_k{k}/{eut.name}", spec == plain, detail))
     return results
 
 
 def gate_self_draft(eut: EngineUnderTest, prompt: list[int], n_tokens: int, ks=range(1, 9)) -> list[GateResult]:
-    """The target drafting for itself is always right: acceptance 1.0 and tau = K + 1. In reduced
-    precision a K+1-token forward and a 1-token forward may order a near-tie differently; such a
-    rejection passes only when the target's margin there is a near-tie and the output is unchanged."""
+    """The target drafting for itself is always right: every draft accepted (acceptance 1.0, tau = K + 1)
+    and the plain decode's tokens. A rejection fails; the target's margins there are reported."""
     from specdec.drafters.model import ModelDrafter
     from specdec.generate import StopCondition, speculative_generate
 
-    plain = eut.plain_decode(eut.make(8), prompt, n_tokens)
+    plain = eut.plain_decode(eut.make(), prompt, n_tokens)
     results = []
     for k in ks:
-        drafter = ModelDrafter(eut.make(max(ks), "drafter"))
-        gen = speculative_generate(eut.make(max(ks)), drafter, [prompt], k, StopCondition(n_tokens))
+        drafter = ModelDrafter(eut.make("drafter"))
+        gen = speculative_generate(eut.make(), drafter, [prompt], k, StopCondition(n_tokens))
         s, tokens = gen.stats, gen.tokens[0]
         detail = {"engine": eut.name, "k": k, "acceptance": s.acceptance_rate, "tau": s.tau, "cycles": s.cycles,
-                  "rejections": len(s.rejected_at)}
-        perfect = s.acceptance_rate == 1.0 and s.tau == k + 1
-        if not perfect:
-            margins = [eut.margin(prompt + tokens[:i]) for i in s.rejected_at]
-            detail["rejection_margins"] = [m["top2_margin"] for m in margins]
-            detail["all_near_ties"] = all(m["near_tie"] for m in margins)
-            detail["output_unchanged"] = tokens == plain
-        results.append(GateResult(f"self_draft_k{k}/{eut.name}",
-                                  perfect or (detail["all_near_ties"] and detail["output_unchanged"]), detail))
+                  "rejections": len(s.rejected_at), "output_unchanged": tokens == plain}
+        perfect = s.acceptance_rate == 1.0 and s.tau == k + 1 and tokens == plain
+        if s.rejected_at:
+            detail["rejected_at"] = s.rejected_at[:8]
+            detail["rejection_margins"] = [eut.margin(prompt + tokens[:i]) for i in s.rejected_at[:8]]
+        results.append(GateResult(f"self_draft_k{k}/{eut.name}", perfect, detail))
     return results
+def gate_sampled_speculation(target, drafter, prompt: list[int], k: int, params: SamplingParams,
+                             name: str, seed: int = 0) -> GateResult:
+    """Speculative sampling end to end on a real target and drafter. Each row of the target's batch decodes
+    two tokens from the same prompt; the first must follow the target's warped distribution after the
+    prompt, the second the target's distribution after the prompt and the first (stratified by it). One
+    chi-square test over both positions. It catches what the rule-level gate cannot see: a drafter
+    reporting probabilities other than those it sampled from, or a loop feeding the rule the wrong rows.
+    The expected distributions come from the same engine's forward (row invariance makes them exact)."""
+    from specdec.generate import StopCondition, speculative_generate
+
+    draws = target.batch
+    params = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed)
+    gen = speculative_generate(target, drafter, [prompt] * draws, k, StopCondition(2), params)
+    first = np.array([t[0] for t in gen.tokens])
+    second = np.array([t[1] for t in gen.tokens])
+    framework = "jax" if type(target).__module__.endswith("jax_engine") else "torch"
+    _, warp = framework_rules(framework)
+    pending = target.prefill([prompt] * draws)
+    if framework == "jax":
+        import jax.numpy as jnp
+
+        chunk = jnp.stack([pending, jnp.asarray(first, jnp.int32)], axis=1)
+    else:
+        import torch
+
+        chunk = torch.stack([pending, torch.as_tensor(first, device=pending.device)], dim=1)
+    logits = target.verify(chunk).logits
+    strata, representative = np.unique(first, return_index=True)  # rows with one first token share a row
+    rows_needed = np.concatenate([_host(logits[:1, 0]), _host(logits[representative, 1])])
+    expected_probs = warp(rows_needed, params).astype(np.float64)
+    expected_probs /= expected_probs.sum(-1, keepdims=True)
+    vocab = expected_probs.shape[-1]
+    statistic, dof, impossible = 0.0, 0, 0
+    tests = [(np.bincount(first, minlength=vocab), draws * expected_probs[0])]
+    for i, token in enumerate(strata):
+        observed = np.bincount(second[first == token], minlength=vocab)
+        tests.append((observed, observed.sum() * expected_probs[1 + i]))
+    for observed, expected in tests:
+        result = chi_square_test(observed[None], expected[None])
+        statistic += result["statistic"]
+        dof += result["dof"]
+        impossible += result["impossible"]
+    p_value = 0.0 if impossible else chi_square_sf(statistic, dof)
+    detail = {"k": k, "draws": draws, "params": params, "acceptance": gen.stats.acceptance_rate,
+              "first_tokens": len(strata), "statistic": statistic, "dof": dof, "p_value": p_value,
+              "impossible": impossible}
+    return GateResult(f"sampled_speculation/{name}", p_value > P_VALUE_THRESHOLD, detail)
 
 
-def torch_engines(model, graphs: bool | None = None) -> list[EngineUnderTest]:
+def torch_engines(model, graphs: bool | None = None, k_max: int = 8, invariant: bool = True) -> list[EngineUnderTest]:
     """The PyTorch engine eager, and graphed too on CUDA."""
-    import torch
-
     from specdec.verifiers.torch_engine import TorchEngine
 
-    near_tie = 4 * torch.finfo(model.dtype).eps
     modes = [False, True] if (graphs is None and model.embed_tokens.weight.is_cuda) else [bool(graphs)]
     return [
         EngineUnderTest(
             name=f"torch/{'graphs' if g else 'eager'}",
-            build=lambda k_max, g=g: TorchEngine(model, batch=1, k_max=k_max, cuda_graphs=g),
+            build=lambda k, g=g: TorchEngine(model, batch=1, k_max=k, cuda_graphs=g, invariant=invariant),
             plain_decode=lambda engine, prompt, n: engine.greedy_decode(prompt, n),
-            near_tie=near_tie,
+            k_max=k_max,
+            invariant=invariant,
         )
         for g in modes
     ]
 
 
-def jax_engines(engine) -> list[EngineUnderTest]:
+def jax_engines(engine, k_max: int = 8, invariant: bool = True) -> list[EngineUnderTest]:
     """The JAX engine; its plain decode is the fused on-device loop (one dispatch per generation)."""
-    import jax.numpy as jnp
-
     from specdec.verifiers.jax_engine import JaxEngine
 
-    dtype = engine.params["embed_tokens.weight"].dtype
     return [
         EngineUnderTest(
             name="jax",
-            build=lambda k_max: JaxEngine(engine.cfg, engine.params, batch=1, max_seq_len=engine.max_seq_len, k_max=k_max),
+            build=lambda k: JaxEngine(engine.cfg, engine.params, batch=1, max_seq_len=engine.max_seq_len, k_max=k,
+                                      invariant=invariant),
             plain_decode=lambda verifier, prompt, n: verifier.generate_fused(prompt, n),
-            near_tie=4 * float(jnp.finfo(dtype).eps),
+            k_max=k_max,
+            invariant=invariant,
         )
     ]
 
 
-def run_gates(engines: list[EngineUnderTest], prompt: list[int], n_tokens: int = 640, k_max: int = 8,
-              sampling_draws: int = 100_000, self_draft: bool = True, progress: Callable[[str], None] | None = None) -> list[GateResult]:
-    """All gates: K=0 and greedy K=1..k_max on each engine, self-draft on the PyTorch ones (the model
-    drafter runs on the PyTorch engine), and the sampling rule of each framework."""
+def model_gates(engines: list[EngineUnderTest], prompt: list[int], n_tokens: int, k_max: int = 8,
+                self_draft: bool = True, progress: Callable[[str], None] | None = None) -> list[GateResult]:
+    """The gates of one prompt: K=0 and greedy K=1..k_max on each engine, and self-draft on the PyTorch ones
+    (the model drafter runs on the PyTorch engine)."""
     say = progress or (lambda _msg: None)
     results: list[GateResult] = []
     ks = range(1, k_max + 1)
     for eut in engines:
-        say(f"{eut.name}: K=0 vs plain decode over {n_tokens} tokens")
+        say(f"{eut.name}: K=0 vs plain decode, {n_tokens} tokens")
         results.append(gate_k0(eut, prompt, n_tokens))
-        say(f"{eut.name}: greedy K=1..{k_max} with the n-gram drafter")
+        say(f"{eut.name}: greedy K=1..{k_max}, n-gram drafter")
         results += gate_greedy(eut, prompt, n_tokens, ks)
         if self_draft and eut.name.startswith("torch"):
             say(f"{eut.name}: self-draft K=1..{k_max}")
             results += gate_self_draft(eut, prompt, n_tokens, ks)
+    return results
+
+
+def run_gates(engines: list[EngineUnderTest], prompt: list[int], n_tokens: int = 640, k_max: int = 8,
+              sampling_draws: int = 100_000, self_draft: bool = True, progress: Callable[[str], None] | None = None) -> list[GateResult]:
+    """All gates on one prompt: the model gates, then the sampling rule of each framework."""
+    results = model_gates(engines, prompt, n_tokens, k_max, self_draft, progress)
     for framework in sorted({e.name.split("/")[0] for e in engines}):
-        say(f"{framework}: sampling rule, {sampling_draws} draws per case")
+        if progress:
+            progress(f"{framework}: sampling rule, {sampling_draws} draws per case")
         results += gate_sampling(framework, draws=sampling_draws)
     return results

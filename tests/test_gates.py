@@ -1,5 +1,5 @@
 """The model gates on a random E-style Gemma 4 (window 8, so 640 tokens wrap the ring many times),
-and `specdec validate` end to end."""
+and `specdec validate` end to end. tests/test_planted_faults.py shows that each gate can fail."""
 
 import json
 
@@ -56,11 +56,11 @@ def test_greedy_gate_fails_on_a_real_divergence(eager):
         return engine
 
     honest_plain = lambda _engine, prompt, n: eager.plain_decode(eager.build(8), prompt, n)  # noqa: E731
-    broken = gates.EngineUnderTest("torch/broken", corrupting, honest_plain, eager.near_tie)
+    broken = gates.EngineUnderTest("torch/broken", corrupting, honest_plain)
     (result,) = gates.gate_greedy(broken, PROMPT, 60, ks=[2])
     assert not result.passed
     assert result.detail["first_divergence"] == 20
-    assert result.detail["near_tie"] is False
+    assert result.detail["top2_margin"] > 0
 
 
 @pytest.mark.slow

@@ -109,9 +109,9 @@ class KVCache:
     def slots(self, kind: str) -> int:
         return self.slot_pos[kind].shape[1]
 
-    def row(self, b: int) -> "KVCache":
-        """A batch-1 view of row b: writes through it land in this cache."""
-        sl = slice(b, b + 1)
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """A view of rows start..stop-1: writes through it land in this cache."""
+        sl = slice(start, stop)
         return KVCache(
             [k[sl] if k is not None else None for k in self.keys],
             [v[sl] if v is not None else None for v in self.values],

@@ -92,13 +92,18 @@ class TorchEngine:
                 )
         self.cache.reset()
         with torch.inference_mode():
-            for b, prompt in enumerate(prompts):
-                row = self.cache.row(b)  # rows prefill one at a time, so no row is padded
-                ids = torch.tensor(prompt[:-1], dtype=torch.long, device=self.device)[None]
+            # Consecutive rows of one prompt length prefill together; no row is ever padded.
+            first = 0
+            for last in range(1, len(prompts) + 1):
+                if last < len(prompts) and len(prompts[last]) == len(prompts[first]):
+                    continue
+                rows = self.cache.rows(first, last)
+                ids = torch.tensor([p[:-1] for p in prompts[first:last]], dtype=torch.long, device=self.device)
                 for start in range(0, ids.shape[1], PREFILL_CHUNK):
                     chunk = ids[:, start : start + PREFILL_CHUNK]
-                    pos = torch.arange(start, start + chunk.shape[1], device=self.device)[None]
-                    self.model(chunk, pos, row, last_only=True)
+                    pos = torch.arange(start, start + chunk.shape[1], device=self.device).expand_as(chunk)
+                    self.model(chunk, pos, rows, last_only=True)
+                first = last
         self.lengths.copy_(torch.tensor([len(p) - 1 for p in prompts], device=self.device))
         return torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=self.device)
 
