@@ -48,9 +48,11 @@ def load(
     max_seq_len: int = 4096,
     batch: int = 1,
     hidden_layers: tuple[int, ...] = (),
+    invariant: bool = True,
 ) -> Target:
     """Load a target for generation. Defaults: the embedded Gemma 3 270M, the PyTorch engine, CUDA in
-    bf16 when there is a GPU, else CPU in fp32."""
+    bf16 when there is a GPU, else CPU in fp32, row-invariant forwards (greedy speculative output is the
+    plain decode's; `invariant=False` is faster on CPU but can differ at floating-point near-ties)."""
     if engine not in ENGINES:
         raise SpecdecError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     if k_max < 0:
@@ -68,13 +70,15 @@ def load(
             dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         ]
         model = GemmaModel.from_checkpoint(path, dtype=torch_dtype, device=device, max_seq_len=max_seq_len)
-        verifier = TorchEngine(model, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers)
+        verifier = TorchEngine(model, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers,
+                               invariant=invariant)
         cfg = model.cfg
     else:
         from specdec.verifiers.jax_engine import JaxEngine
 
         verifier = JaxEngine.from_checkpoint(
-            path, dtype=dtype, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers
+            path, dtype=dtype, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers,
+            invariant=invariant,
         )
         cfg = verifier.cfg
     if tokenizer.vocab_size > cfg.vocab_size:

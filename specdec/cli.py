@@ -53,6 +53,7 @@ def generate(
     max_seq_len: int = typer.Option(4096, help="context length the KV cache holds"),
     fused: Optional[bool] = typer.Option(None, help="n-gram draft+verify+accept in one CUDA graph (default: on CUDA, greedy)"),
     compare_plain: bool = typer.Option(False, help="also time a plain decode first and report the speedup"),
+    invariant: bool = typer.Option(True, help="row-invariant forwards: greedy output identical to plain decoding"),
 ):
     """Generate text, streaming it, then print tau, acceptance and tok/s."""
     import specdec
@@ -61,7 +62,11 @@ def generate(
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     if k < 0:
         raise SpecdecError(f"-k must be >= 0, got {k}")
-    loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=max(k, 1), max_seq_len=max_seq_len)
+    if not invariant:
+        err.print("[yellow]invariant forwards off: greedy output can differ from plain decoding at "
+                  "floating-point near-ties[/yellow]")
+    loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=max(k, 1), max_seq_len=max_seq_len,
+                          invariant=invariant)
     out = sys.stdout
     out.write(prompt)
     out.flush()
@@ -92,64 +97,149 @@ def validate(
     target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
     engine: str = typer.Option("torch", help="torch | jax | all"),
     prompt: str = typer.Option("def fibonacci(n):", help="completion prompt the model gates decode from"),
-    tokens: int = typer.Option(640, help="tokens per decode (past the sliding-window ring wrap)"),
+    prompts: Optional[Path] = typer.Option(None, help="run every gate per prompt: JSONL with a 'prompt' field, or text with one prompt per line"),
+    tokens: Optional[int] = typer.Option(None, help="tokens per decode [default: 640 on CUDA (past the sliding-window ring wrap), 48 on CPU]"),
     k_max: int = typer.Option(8, help="greedy and self-draft gates run K = 1 .. k_max"),
     draws: int = typer.Option(100_000, help="draws per case of the sampling gate"),
     self_draft: bool = typer.Option(True, help="run the self-draft gate (the target as its own drafter)"),
+    invariant: bool = typer.Option(True, help="row-invariant forwards; without them greedy gates can fail at near-ties"),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (torch engine)"),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
     evidence: Path = typer.Option(Path("specdec-validate.json"), help="JSON evidence file to write"),
 ):
-    """Run the lossless gates; print a pass/fail table and write a JSON evidence file. Exit 1 on a failure."""
+    """Run the lossless gates on one prompt or a file of them; print a table per prompt and a summary, write
+    a JSON evidence file. Exit 1 on any failure."""
     import json
 
-    from rich.table import Table
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specdec import gates
+    from specdec.api import resolve_checkpoint
     from specdec.evidence import git_commit, now_utc
+    from specdec.models.tokenizer import Tokenizer
 
+    if k_max < 1:
+        raise SpecdecError(f"--k-max must be >= 1, got {k_max}")
     engines = ["torch", "jax"] if engine == "all" else [engine]
-    context = tokens + len(prompt) + 64  # the prompt's tokens are fewer than its characters
+    texts = read_prompts(prompts) if prompts is not None else [prompt]
+    on_cuda = _cuda_available() if device is None else device.startswith("cuda")
+    tokens = tokens if tokens is not None else (640 if on_cuda else 48)
+    path = resolve_checkpoint(target)
+    tokenizer = Tokenizer.from_dir(path)
+    prompt_ids = [tokenizer.encode(text) for text in texts]
+    context = max(len(ids) for ids in prompt_ids) + tokens + 2 * (k_max + 8)
+    if not invariant:
+        err.print("[yellow]invariant forwards off: speculative output can differ from plain decoding at "
+                  "floating-point near-ties, and the greedy gates then fail[/yellow]")
     eut = []
-    tokenizer = None
     for name in engines:
-        loaded = _load_for_gates(name, target, device, dtype, k_max, context)
-        tokenizer = loaded.tokenizer
-        eut += loaded.engines
-    prompt_ids = tokenizer.encode(prompt)
-    results = gates.run_gates(eut, prompt_ids, tokens, k_max, draws, self_draft, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+        eut += _gate_engines(name, path, device, dtype, k_max, context, invariant)
+    steps = sum(2 + (self_draft and e.name.startswith("torch")) for e in eut) * len(texts) + len(engines)
+    results: list[tuple[int | None, gates.GateResult]] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("gates", total=steps)
 
-    table = Table("gate", "result", "detail")
-    for r in results:
-        # Scalars only: the full detail (per-position statistics, hashes) is in the evidence file.
-        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.detail.items()
-                 if isinstance(v, (int, float, str)) and len(str(v)) < 24}
-        table.add_row(r.name, "[green]pass[/green]" if r.passed else "[red]FAIL[/red]", ", ".join(f"{k}={v}" for k, v in shown.items()))
-    Console().print(table)
+        def step(message: str) -> None:
+            bar.update(task, description=message)
+
+        for i, ids in enumerate(prompt_ids):
+            for result in gates.model_gates(eut, ids, tokens, k_max, self_draft,
+                                            progress=lambda m, i=i: (step(f"prompt {i + 1}/{len(texts)} · {m}"),
+                                                                     bar.advance(task))):
+                results.append((i, result))
+        for framework in engines:
+            step(f"{framework}: sampling rule, {draws} draws per case")
+            results += [(None, r) for r in gates.gate_sampling(framework, draws=draws)]
+            bar.advance(task)
+    _print_gate_tables(texts, results)
     record = {
-        "date": now_utc(), "commit": git_commit(),
-        "target": str(target or "embedded gemma-3-270m"), "prompt": prompt, "tokens": tokens,
-        "passed": all(r.passed for r in results),
-        "gates": [{"name": r.name, "passed": r.passed, "detail": r.detail} for r in results],
+        "date": now_utc(), "commit": git_commit(), "target": str(target or "embedded gemma-3-270m"),
+        "engines": [e.name for e in eut], "invariant": invariant, "tokens": tokens, "k_max": k_max,
+        "prompts": texts, "passed": all(r.passed for _, r in results),
+        "gates": [{"prompt": i, "name": r.name, "passed": r.passed, "detail": r.detail} for i, r in results],
     }
     evidence.write_text(json.dumps(record, indent=1, default=str))
-    passed = sum(r.passed for r in results)
-    err.print(f"{passed}/{len(results)} gates passed; evidence in {evidence}")
+    passed = sum(r.passed for _, r in results)
+    clean = sum(all(r.passed for j, r in results if j == i) for i in range(len(texts)))
+    err.print(f"{passed}/{len(results)} gates passed; {clean}/{len(texts)} prompts pass every gate; evidence in {evidence}")
     if passed != len(results):
         raise typer.Exit(1)
 
 
-def _load_for_gates(engine, target, device, dtype, k_max, context):
-    """A loaded target plus the engine configurations its gates run on."""
-    from types import SimpleNamespace
+def read_prompts(path: Path) -> list[str]:
+    """Prompts from JSONL (a 'prompt' field per line) or from text (one prompt per line)."""
+    import json
 
+    try:
+        lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecdecError(f"{path}: cannot read prompts ({e})") from None
+    if not lines:
+        raise SpecdecError(f"{path}: no prompts")
+    if not lines[0][1].lstrip().startswith("{"):
+        return [line for _, line in lines]
+    texts = []
+    for n, line in lines:
+        try:
+            text = json.loads(line)["prompt"]
+        except (ValueError, KeyError, TypeError):
+            raise SpecdecError(f"{path}:{n}: not a JSON object with a 'prompt' field") from None
+        if not isinstance(text, str) or not text:
+            raise SpecdecError(f"{path}:{n}: 'prompt' must be a non-empty string")
+        texts.append(text)
+    return texts
+
+
+def _print_gate_tables(texts: list[str], results) -> None:
+    """Failures in full, then one row per prompt: passed gates per engine, and the verdict."""
+    from rich.table import Table
+
+    console = Console()
+    failed = [(i, r) for i, r in results if not r.passed]
+    if failed:
+        table = Table("prompt", "gate", "detail", title="failed gates")
+        for i, r in failed:
+            shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.detail.items()
+                     if isinstance(v, (int, float, str)) and len(str(v)) < 24}
+            table.add_row("-" if i is None else str(i + 1), r.name, ", ".join(f"{k}={v}" for k, v in shown.items()))
+        console.print(table)
+    engines = sorted({r.name.split("/", 1)[1] for i, r in results if i is not None})
+    table = Table("#", "prompt", *engines, "verdict", title="gates per prompt")
+    for i, text in enumerate(texts):
+        mine = [r for j, r in results if j == i]
+        cells = []
+        for name in engines:
+            ran = [r for r in mine if r.name.split("/", 1)[1] == name]
+            cells.append(f"{sum(r.passed for r in ran)}/{len(ran)}")
+        ok = all(r.passed for r in mine)
+        preview = text.strip().splitlines()[0][:40] if text.strip() else ""
+        table.add_row(str(i + 1), preview, *cells, "[green]pass[/green]" if ok else "[red]FAIL[/red]")
+    sampling = [r for i, r in results if i is None]
+    table.add_row("", "sampling rule", *[""] * len(engines),
+                  f"{sum(r.passed for r in sampling)}/{len(sampling)}")
+    console.print(table)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _gate_engines(engine, path, device, dtype, k_max, context, invariant):
+    """The engine configurations the gates of a loaded target run on."""
     import specdec
     from specdec import gates
 
-    loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=k_max, max_seq_len=context)
+    loaded = specdec.load(path, engine=engine, device=device, dtype=dtype, k_max=k_max, max_seq_len=context,
+                          invariant=invariant)
     if engine == "torch":
-        return SimpleNamespace(tokenizer=loaded.tokenizer, engines=gates.torch_engines(loaded.engine.model))
-    return SimpleNamespace(tokenizer=loaded.tokenizer, engines=gates.jax_engines(loaded.engine))
+        return gates.torch_engines(loaded.engine.model, k_max=k_max, invariant=invariant)
+    return gates.jax_engines(loaded.engine, k_max=k_max, invariant=invariant)
 
 
 @app.command("import-gguf")

@@ -545,14 +545,3 @@ def model_gates(engines: list[EngineUnderTest], prompt: list[int], n_tokens: int
             say(f"{eut.name}: self-draft K=1..{k_max}")
             results += gate_self_draft(eut, prompt, n_tokens, ks)
     return results
-
-
-def run_gates(engines: list[EngineUnderTest], prompt: list[int], n_tokens: int = 640, k_max: int = 8,
-              sampling_draws: int = 100_000, self_draft: bool = True, progress: Callable[[str], None] | None = None) -> list[GateResult]:
-    """All gates on one prompt: the model gates, then the sampling rule of each framework."""
-    results = model_gates(engines, prompt, n_tokens, k_max, self_draft, progress)
-    for framework in sorted({e.name.split("/")[0] for e in engines}):
-        if progress:
-            progress(f"{framework}: sampling rule, {sampling_draws} draws per case")
-        results += gate_sampling(framework, draws=sampling_draws)
-    return results

@@ -133,3 +133,38 @@ def test_compare_plain_reports_a_speedup(ckpt):
     code, _, err = run("generate", "Hello Hello Hello", "--target", str(ckpt), "--max-new-tokens", "10", "--compare-plain")
     assert code == 0, err
     assert "x plain decode (" in err
+
+
+def test_validate_runs_every_gate_per_prompt(ckpt, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n\n{"prompt": "Once upon a time", "id": 2}\n')
+    evidence = tmp_path / "evidence.json"
+    code, out, err = run("validate", "--target", str(ckpt), "--prompts", str(prompts), "--tokens", "12",
+                         "--k-max", "2", "--draws", "2000", "--evidence", str(evidence))
+    assert code == 0, err
+    record = json.loads(evidence.read_text())
+    assert record["passed"] and record["prompts"] == ["def add(a, b):", "Once upon a time"]
+    for prompt in (0, 1):
+        names = {g["name"] for g in record["gates"] if g["prompt"] == prompt}
+        assert names == {"k0_bit_identical/torch/eager", "greedy_k1/torch/eager", "greedy_k2/torch/eager",
+                         "self_draft_k1/torch/eager", "self_draft_k2/torch/eager"}
+    assert "gates per prompt" in out and "Once upon a time" in out
+    assert "2/2 prompts pass every gate" in err
+
+
+def test_validate_reads_plain_text_prompts(tmp_path):
+    from specdec.cli import read_prompts
+
+    (tmp_path / "p.txt").write_text("first prompt\n\nsecond prompt\n")
+    assert read_prompts(tmp_path / "p.txt") == ["first prompt", "second prompt"]
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"prompt": "ok"}\n{"text": "no prompt field"}\n', "p.jsonl:2: not a JSON object with a 'prompt' field"),
+    ('{"prompt": ""}\n', "p.jsonl:1: 'prompt' must be a non-empty string"),
+    ("\n\n", "p.jsonl: no prompts"),
+])
+def test_validate_bad_prompts_file(ckpt, tmp_path, content, needle):
+    (tmp_path / "p.jsonl").write_text(content)
+    code, _, err = run("validate", "--target", str(ckpt), "--prompts", str(tmp_path / "p.jsonl"))
+    one_line_error(code, err, needle)
