@@ -1,4 +1,5 @@
-"""The real Gemma 3 270M (the embedded default): greedy tokens identical to transformers."""
+"""The real Gemma 3 270M (the embedded default): greedy tokens identical to transformers, and speculative
+greedy tokens identical to plain decoding."""
 
 import pytest
 import torch
@@ -48,3 +49,14 @@ def test_greedy_tokens_match_transformers(model, hf_greedy, name):
     ids, expected = hf_greedy[name]
     assert len(expected) == NEW_TOKENS
     assert TorchEngine(model, max_seq_len=256).greedy_decode(ids, NEW_TOKENS) == expected
+
+
+@pytest.mark.parametrize("name", ["code", "prose"])
+def test_speculative_greedy_identical_to_plain_decode(model, checkpoint, name):
+    """No tolerance: n-gram speculative decoding at K = 1, 4, 8 emits exactly the plain decode's tokens."""
+    from specdec import gates
+
+    (eut,) = gates.torch_engines(model, graphs=False)
+    ids = Tokenizer.from_dir(checkpoint).encode(PROMPTS[name])
+    results = gates.gate_greedy(eut, ids, 32, ks=[1, 4, 8])
+    assert all(r.passed for r in results), [r.detail for r in results if not r.passed]
