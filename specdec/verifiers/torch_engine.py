@@ -2,14 +2,14 @@
 
 Row invariance (the default, `invariant=True`): every decode forward, a plain one-token step as much as a
 K+1-token verify, runs `decode_width(k_max)` rows wide (k_max + 1 rounded up to a multiple of 8), the
-real tokens first and pad tokens after them. Matmul,
-norm and softmax kernels are then always launched at the same shapes, and a decode forward commits its
-keys/values before attending (torch_gemma), so a row's logits, hidden states and committed keys/values are
-bitwise the same wherever it sits in the forward and whatever the rows after it hold: greedy speculative
-decoding emits exactly the plain decode's tokens, near-ties included. The pad rows cost little while
-decoding is bound by reading the weights. `invariant=False` runs each forward at its own width (faster
-for tiny K off the memory-bound regime); its speculative output can then differ from plain decoding
-where the target's top-2 logits are a floating-point near-tie.
+real tokens first and pad tokens after them. Matmul, norm and softmax kernels are then always launched at
+the same shapes, and a decode forward commits its keys/values before attending (torch_gemma), so a row's
+logits, hidden states and committed keys/values are bitwise the same wherever it sits in the forward and
+whatever the rows after it hold: greedy speculative decoding emits exactly the plain decode's tokens,
+near-ties included. The pad rows cost little on a GPU, where decoding is bound by reading the weights.
+`invariant=False` runs each forward at its own width (faster on CPU, where the pad rows are real
+arithmetic); its speculative output can then differ from plain decoding where the target's top-2 logits
+are a floating-point near-tie.
 
 On CUDA each forward width is captured once as a CUDA graph and replayed: the model is launch-bound at
 small batch, and a replay issues hundreds of kernels for the price of one launch. `compile=True` (the
