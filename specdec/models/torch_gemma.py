@@ -9,7 +9,7 @@ Cache semantics (shared with the JAX model, see DESIGN.md):
   inside the next query's window); full layers keep `max_seq_len` slots. Each slot stores the absolute
   position written there; masks come from stored positions.
 - two ways to run a chunk. A *decode* forward (`commit_first=True`; what the engines run for every verify,
-  T <= k_max + 1) writes its positions and keys/values into their slots first, layer by layer, and each
+  T <= decode_width(k_max)) writes its positions and keys/values into their slots first, layer by layer, and each
   row attends over the cache alone, to the slots holding positions <= its own. A row then reads exactly
   the slots, values and reduction order that a one-token forward at its position reads: with one fixed
   forward width (the engines' invariant mode) its logits are bitwise those of plain decoding. A *prefill*
@@ -396,7 +396,7 @@ class GemmaModel(nn.Module):
             pos = positions[:, -n:]
             ctx.slots[kind] = (rows, pos % n, pos)
             if commit_first:
-                cache.slot_pos[kind].index_put_((rows, pos % n), pos)
+                cache.slot_pos[kind].index_put_(ctx.slots[kind][:2], pos)
             cos_t, sin_t = getattr(self, f"cos_{kind}"), getattr(self, f"sin_{kind}")
             ctx.cos[kind] = cos_t[positions].to(dt)[:, :, None, :]
             ctx.sin[kind] = sin_t[positions].to(dt)[:, :, None, :]
@@ -436,7 +436,7 @@ class GemmaModel(nn.Module):
         """Run tokens [B, T] at positions [B, T] (contiguous per row) and commit them to the cache.
         Returns float32 logits [B, T, V] ([B, 1, V] with last_only) and, when hidden_layers is given,
         the hidden states after those layers, [B, T, len(hidden_layers), H]. `commit_first` runs it as a
-        decode forward (module docstring); it needs T <= k_max + 1 of the cache's ring."""
+        decode forward (module docstring); it needs T <= decode_width(k_max) of the cache's ring."""
         cfg = self.cfg
         x = self._embed(tokens)
         per_layer = self._per_layer_inputs(tokens, x) if cfg.has_per_layer_inputs else None
