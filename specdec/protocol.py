@@ -47,6 +47,11 @@ class Verifier(Protocol):
         the last prompt token becomes the row's pending token."""
         ...
 
+    def prefill_row(self, row: int, prompt: list[int]) -> Array:
+        """Start a request in one row while the other rows keep theirs (continuous batching); returns
+        its pending token [1]."""
+        ...
+
     def verify(self, tokens: Array) -> VerifyOutput:
         """Run tokens [B, T] (pending + drafts) at each row's next positions. Their keys/values enter
         the cache, but only `commit` makes them part of the context."""

@@ -153,6 +153,7 @@ class JaxEngine:
         self._verify_fn = jax.jit(self._decode_forward, donate_argnums=1)
         self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=1)
         self._reset_fn = jax.jit(lambda cache: self._constrain(reset_cache(cache)), donate_argnums=0)
+        self._reset_row_fn = jax.jit(self._reset_row, donate_argnums=0)
         self._loop_fns: dict[DraftFn | None, Callable] = {}
 
     @classmethod
@@ -174,6 +175,11 @@ class JaxEngine:
         logits, hidden, cache = forward(params, self.cfg, tokens, positions, cache, self.hidden_layers,
                                         commit_first=True)
         return jax.lax.optimization_barrier(logits), hidden, self._constrain(cache)
+
+    def _reset_row(self, cache: Cache, row) -> Cache:
+        """Every slot of one row empty again."""
+        slot_pos = {kind: p.at[row].set(-1) for kind, p in cache["slot_pos"].items()}
+        return self._constrain(dict(cache, slot_pos=slot_pos))
 
     def _prefill_impl(self, params, cache, tokens, start, row):
         """Run one row's chunk [1, T] at positions start.. against that row of the cache."""
@@ -236,19 +242,35 @@ class JaxEngine:
         if len(prompts) != self.batch:
             raise SpecdecError(f"{len(prompts)} prompts for an engine of batch {self.batch}")
         for prompt in prompts:
-            if not prompt:
-                raise SpecdecError("empty prompt")
-            if len(prompt) + self.width > self.max_seq_len:
-                raise SpecdecError(
-                    f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens"
-                )
+            self._check_prompt(prompt)
         self.cache = self._reset_fn(self.cache)
         for row, prompt in enumerate(prompts):
-            for start, chunk in self._prefill_chunks(prompt[:-1]):
-                self.dispatches += 1
-                self.cache = self._prefill_fn(self.params, self.cache, jnp.asarray([chunk], jnp.int32), start, row)
+            self._prefill_row(row, prompt)
         self.lengths = jnp.asarray([len(p) - 1 for p in prompts], jnp.int32)
         return jnp.asarray([p[-1] for p in prompts], jnp.int32)
+
+    def prefill_row(self, row: int, prompt: list[int]) -> jax.Array:
+        """Start a new request in one row, leaving the other rows' requests as they are (continuous
+        batching); returns its pending token [1]. Rows always prefill one at a time, so a request's
+        tokens do not depend on which other requests share the batch."""
+        if not 0 <= row < self.batch:
+            raise SpecdecError(f"row {row} outside the engine's batch of {self.batch}")
+        self._check_prompt(prompt)
+        self.cache = self._reset_row_fn(self.cache, row)
+        self._prefill_row(row, prompt)
+        self.lengths = self.lengths.at[row].set(len(prompt) - 1)
+        return jnp.asarray(prompt[-1:], jnp.int32)
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise SpecdecError("empty prompt")
+        if len(prompt) + self.width > self.max_seq_len:
+            raise SpecdecError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens")
+
+    def _prefill_row(self, row: int, prompt: list[int]) -> None:
+        for start, chunk in self._prefill_chunks(prompt[:-1]):
+            self.dispatches += 1
+            self.cache = self._prefill_fn(self.params, self.cache, jnp.asarray([chunk], jnp.int32), start, row)
 
     def _prefill_chunks(self, ids: list[int]):
         """(start, tokens) chunks: full prefill chunks, then k_max + 1 buckets, the last padded by at most k_max."""

@@ -83,29 +83,47 @@ class TorchEngine:
         """Commit each row's prompt but its last token; returns the last prompt tokens [B] (pending)."""
         if len(prompts) != self.batch:
             raise SpecdecError(f"{len(prompts)} prompts for an engine of batch {self.batch}")
-        for b, prompt in enumerate(prompts):
-            if not prompt:
-                raise SpecdecError("empty prompt")
-            if len(prompt) + self.width > self.max_seq_len:
-                raise SpecdecError(
-                    f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens"
-                )
+        for prompt in prompts:
+            self._check_prompt(prompt)
         self.cache.reset()
-        with torch.inference_mode():
-            # Consecutive rows of one prompt length prefill together; no row is ever padded.
-            first = 0
-            for last in range(1, len(prompts) + 1):
-                if last < len(prompts) and len(prompts[last]) == len(prompts[first]):
-                    continue
-                rows = self.cache.rows(first, last)
-                ids = torch.tensor([p[:-1] for p in prompts[first:last]], dtype=torch.long, device=self.device)
-                for start in range(0, ids.shape[1], PREFILL_CHUNK):
-                    chunk = ids[:, start : start + PREFILL_CHUNK]
-                    pos = torch.arange(start, start + chunk.shape[1], device=self.device).expand_as(chunk)
-                    self.model(chunk, pos, rows, last_only=True)
-                first = last
+        # Consecutive rows of one prompt length prefill together; no row is ever padded.
+        first = 0
+        for last in range(1, len(prompts) + 1):
+            if last < len(prompts) and len(prompts[last]) == len(prompts[first]):
+                continue
+            self._prefill_rows(first, prompts[first:last])
+            first = last
         self.lengths.copy_(torch.tensor([len(p) - 1 for p in prompts], device=self.device))
         return torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=self.device)
+
+    def prefill_row(self, row: int, prompt: list[int]) -> torch.Tensor:
+        """Start a new request in one row, leaving the other rows' requests as they are (continuous
+        batching); returns its pending token [1]. Every row prefills alone here, so a request's cache,
+        and then its tokens, do not depend on which other requests share the batch."""
+        if not 0 <= row < self.batch:
+            raise SpecdecError(f"row {row} outside the engine's batch of {self.batch}")
+        self._check_prompt(prompt)
+        for pos in self.cache.rows(row, row + 1).slot_pos.values():
+            pos.fill_(-1)
+        self._prefill_rows(row, [prompt])
+        self.lengths[row] = len(prompt) - 1
+        return torch.tensor(prompt[-1:], dtype=torch.long, device=self.device)
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise SpecdecError("empty prompt")
+        if len(prompt) + self.width > self.max_seq_len:
+            raise SpecdecError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens")
+
+    def _prefill_rows(self, first: int, prompts: list[list[int]]) -> None:
+        """Commit equal-length prompts but their last tokens into rows first.., chunk by chunk."""
+        rows = self.cache.rows(first, first + len(prompts))
+        ids = torch.tensor([p[:-1] for p in prompts], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            for start in range(0, ids.shape[1], PREFILL_CHUNK):
+                chunk = ids[:, start : start + PREFILL_CHUNK]
+                pos = torch.arange(start, start + chunk.shape[1], device=self.device).expand_as(chunk)
+                self.model(chunk, pos, rows, last_only=True)
 
     def verify(self, tokens: torch.Tensor) -> VerifyOutput:
         """Run tokens [B, T] at positions lengths + 0..T-1 (T <= k_max + 1); nothing is committed."""
