@@ -9,10 +9,10 @@
 - `verify` pads T up to its bucket; the cache is donated, so XLA updates it in place. Padding is
   harmless: padded tokens sit after the real ones (causal), and the slots they take are those of a
   full-width verify, which the ring is sized for.
-- Prompts prefill one row at a time in chunks of `prefill_chunk`, the tail in chunks of k_max + 1 with at
-  most k_max pad tokens, for the same reason: a pad written at position p takes the ring slot of p - slots,
-  which stays outside every later query's window only while p is within the decode width of the next
-  real token.
+- Prompts prefill through the same decode forward, a forward's width of tokens at a time, all rows
+  together: one compiled program serves prefill and decoding (a first run compiles once). Pads are
+  harmless for the same reason: a pad written at position p takes the ring slot of p - slots, which stays
+  outside every later query's window while p is within the decode width of the next real token.
 - `generate_fused` runs the whole decode in one `lax.while_loop` dispatch. Its body, `decode_step`, is one
   draft -> verify -> accept -> commit cycle; with no drafter it is plain greedy decode (k = 0). A device-side
   drafter plugs in as `draft_fn(state) -> [B, k]` tokens and the loop stays on the device.
@@ -37,7 +37,6 @@ from specdec.models.jax_gemma import Cache, Params, forward, init_cache, load_pa
 from specdec.protocol import VerifyOutput
 
 TP_AXIS = "tp"
-PREFILL_CHUNK = 64
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------------
@@ -127,7 +126,6 @@ class JaxEngine:
         k_max: int = 8,
         hidden_layers: tuple[int, ...] = (),
         mesh: Mesh | None = None,
-        prefill_chunk: int = PREFILL_CHUNK,
         invariant: bool = True,
     ):
         for layer in hidden_layers:
@@ -142,7 +140,6 @@ class JaxEngine:
         self.hidden_layers = tuple(hidden_layers)
         self.invariant = invariant
         self.buckets = (self.width,) if invariant else tuple(sorted({1, k_max + 1}))
-        self.prefill_chunk = prefill_chunk
         self.params = shard_params(params, cfg, mesh) if mesh is not None else params
         dtype = params["embed_tokens.weight"].dtype
         cache = init_cache(cfg, batch, max_seq_len, k_max, dtype)
@@ -151,7 +148,6 @@ class JaxEngine:
         self.lengths = jnp.zeros(batch, jnp.int32)
         self.dispatches = 0  # compiled calls made from the host (generate_fused makes one for the decode)
         self._verify_fn = jax.jit(self._decode_forward, donate_argnums=1)
-        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=1)
         self._reset_fn = jax.jit(lambda cache: self._constrain(reset_cache(cache)), donate_argnums=0)
         self._reset_row_fn = jax.jit(self._reset_row, donate_argnums=0)
         self._loop_fns: dict[DraftFn | None, Callable] = {}
@@ -180,14 +176,6 @@ class JaxEngine:
         """Every slot of one row empty again."""
         slot_pos = {kind: p.at[row].set(-1) for kind, p in cache["slot_pos"].items()}
         return self._constrain(dict(cache, slot_pos=slot_pos))
-
-    def _prefill_impl(self, params, cache, tokens, start, row):
-        """Run one row's chunk [1, T] at positions start.. against that row of the cache."""
-        positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-        take_row = lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=0)  # noqa: E731
-        _, _, row_cache = forward(params, self.cfg, tokens, positions, jax.tree.map(take_row, cache), last_only=True)
-        put_row = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, row, axis=0)  # noqa: E731
-        return self._constrain(jax.tree.map(put_row, cache, row_cache))
 
     def decode_step(self, params, state: DecodeState, max_new_tokens, eos_ids, draft_fn: DraftFn | None = None):
         """One cycle for every row: draft k tokens (k = 0 without a drafter), verify [pending] + drafts,
@@ -244,21 +232,19 @@ class JaxEngine:
         for prompt in prompts:
             self._check_prompt(prompt)
         self.cache = self._reset_fn(self.cache)
-        for row, prompt in enumerate(prompts):
-            self._prefill_row(row, prompt)
-        self.lengths = jnp.asarray([len(p) - 1 for p in prompts], jnp.int32)
+        self.lengths = jnp.zeros(self.batch, jnp.int32)
+        self._feed(dict(enumerate(p[:-1] for p in prompts)))
         return jnp.asarray([p[-1] for p in prompts], jnp.int32)
 
     def prefill_row(self, row: int, prompt: list[int]) -> jax.Array:
         """Start a new request in one row, leaving the other rows' requests as they are (continuous
-        batching); returns its pending token [1]. Rows always prefill one at a time, so a request's
-        tokens do not depend on which other requests share the batch."""
+        batching); returns its pending token [1]."""
         if not 0 <= row < self.batch:
             raise SpecdecError(f"row {row} outside the engine's batch of {self.batch}")
         self._check_prompt(prompt)
         self.cache = self._reset_row_fn(self.cache, row)
-        self._prefill_row(row, prompt)
-        self.lengths = self.lengths.at[row].set(len(prompt) - 1)
+        self.lengths = self.lengths.at[row].set(0)
+        self._feed({row: prompt[:-1]})
         return jnp.asarray(prompt[-1:], jnp.int32)
 
     def _check_prompt(self, prompt: list[int]) -> None:
@@ -267,21 +253,24 @@ class JaxEngine:
         if len(prompt) + self.width > self.max_seq_len:
             raise SpecdecError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens")
 
-    def _prefill_row(self, row: int, prompt: list[int]) -> None:
-        for start, chunk in self._prefill_chunks(prompt[:-1]):
+    def _feed(self, contexts: dict[int, list[int]]) -> None:
+        """Commit tokens into rows (row -> tokens) through the decode forward, a forward's width at a time.
+        One compiled program then serves prefill and decoding, so a first run compiles once. Pads fill
+        the rest of each forward, and the other rows run pads too: all of them lie within one forward's
+        width past their row's committed length, which is what rejected drafts take and what the
+        sliding-window ring is sized for."""
+        chunk = self.buckets[-1]
+        longest = max(len(ids) for ids in contexts.values())
+        for start in range(0, longest, chunk):
+            tokens = np.full((self.batch, chunk), self.cfg.pad_token_id, np.int32)
+            advance = np.zeros(self.batch, np.int32)
+            for row, ids in contexts.items():
+                part = ids[start : start + chunk]
+                tokens[row, : len(part)] = part
+                advance[row] = len(part)
             self.dispatches += 1
-            self.cache = self._prefill_fn(self.params, self.cache, jnp.asarray([chunk], jnp.int32), start, row)
-
-    def _prefill_chunks(self, ids: list[int]):
-        """(start, tokens) chunks: full prefill chunks, then k_max + 1 buckets, the last padded by at most k_max."""
-        start = 0
-        while len(ids) - start >= self.prefill_chunk:
-            yield start, ids[start : start + self.prefill_chunk]
-            start += self.prefill_chunk
-        step = self.k_max + 1
-        for s in range(start, len(ids), step):
-            chunk = ids[s : s + step]
-            yield s, chunk + [self.cfg.pad_token_id] * (step - len(chunk))
+            _, _, self.cache = self._verify_fn(self.params, self.cache, jnp.asarray(tokens), self.lengths)
+            self.lengths = self.lengths + jnp.asarray(advance)
 
     def verify(self, tokens) -> VerifyOutput:
         """Run tokens [B, T] at positions lengths + 0..T-1 (T <= k_max + 1); nothing is committed."""
