@@ -347,7 +347,7 @@ class GemmaModel(nn.Module):
     def from_checkpoint(cls, path, dtype=torch.float32, device="cpu", max_seq_len: int = 4096) -> "GemmaModel":
         from specdec.models.checkpoint import load_checkpoint
 
-        cfg, tensors = load_checkpoint(path, framework="pt", dtype=dtype)
+        cfg, tensors = load_checkpoint(path, framework="pt", dtype=dtype, device=device)
         with torch.device("meta"):
             model = cls(cfg, max_seq_len)
         model.load_state_dict(tensors, strict=True, assign=True)
