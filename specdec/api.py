@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 from specdec.errors import SpecdecError
-from specdec.generate import Generation, StopCondition, speculative_generate
+from specdec.generate import Generation, HostCycle, StopCondition, run_cycles
 from specdec.models.config import GemmaConfig
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
@@ -25,6 +27,7 @@ class Target:
     tokenizer: Tokenizer
     engine: object  # a specdec.protocol.Verifier
     engine_name: str
+    load_s: float = 0.0  # reading the tokenizer and weights, building the engine
 
 
 def resolve_checkpoint(path: str | Path | None) -> Path:
@@ -49,16 +52,37 @@ def load(
     batch: int = 1,
     hidden_layers: tuple[int, ...] = (),
     invariant: bool = True,
+    compile: bool = False,
 ) -> Target:
     """Load a target for generation. Defaults: the embedded Gemma 3 270M, the PyTorch engine, CUDA in
     bf16 when there is a GPU, else CPU in fp32, row-invariant forwards (greedy speculative output is the
-    plain decode's; `invariant=False` is faster on CPU but can differ at floating-point near-ties)."""
+    plain decode's; `invariant=False` is faster on CPU but can differ at floating-point near-ties).
+
+    `compile` (torch on CUDA) fuses the forward with torch.compile before capturing CUDA graphs: about
+    2.5x faster decoding of the 270M, for about 45 s of compilation on a machine's first run and 10 s
+    later (inductor's cache, see specdec.compile_cache). Without it the CUDA graphs replay the eager
+    forward and set up in a fraction of a second: the better choice for short runs. The JAX engine always
+    compiles, and caches its programs on disk."""
     if engine not in ENGINES:
         raise SpecdecError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     if k_max < 0:
         raise SpecdecError(f"k_max must be >= 0, got {k_max}")
     path = resolve_checkpoint(target)
-    tokenizer = Tokenizer.from_dir(path)
+    start = time.perf_counter()
+    # The tokenizer parses in Rust without the GIL: read it while torch or jax imports and the weights load.
+    with ThreadPoolExecutor(1) as pool:
+        tokenizer_future = pool.submit(Tokenizer.from_dir, path)
+        verifier, cfg = _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers,
+                                     invariant, compile)
+        tokenizer = tokenizer_future.result()
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise SpecdecError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {cfg.vocab_size}")
+    return Target(path, cfg, tokenizer, verifier, engine, time.perf_counter() - start)
+
+
+def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant, compile):
+    from specdec import compile_cache
+
     if engine == "torch":
         import torch
 
@@ -69,21 +93,48 @@ def load(
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
             dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         ]
+        compile_cache.enable_torch()
         model = GemmaModel.from_checkpoint(path, dtype=torch_dtype, device=device, max_seq_len=max_seq_len)
         verifier = TorchEngine(model, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers,
-                               invariant=invariant)
+                               invariant=invariant, compile=compile and device.startswith("cuda"))
         cfg = model.cfg
     else:
         from specdec.verifiers.jax_engine import JaxEngine
 
+        compile_cache.enable_jax()
         verifier = JaxEngine.from_checkpoint(
             path, dtype=dtype, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers,
             invariant=invariant,
         )
         cfg = verifier.cfg
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise SpecdecError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {cfg.vocab_size}")
-    return Target(path, cfg, tokenizer, verifier, engine)
+    return verifier, cfg
+
+
+def make_cycle(target: Target, drafter: str, k: int, sampling: SamplingParams, fused: bool | None = None):
+    """The cycle a generation runs: fused on the device where the engine and drafter allow it (one CUDA
+    graph replay per cycle: torch on CUDA, the n-gram drafter, greedy), else driven from the host."""
+    fusable = target.engine_name == "torch" and drafter == "ngram" and sampling.greedy and k > 0
+    if fused and not fusable:
+        raise SpecdecError("--fused needs the torch engine, the ngram drafter, greedy sampling and k >= 1")
+    if fused or (fused is None and fusable and target.engine.use_graphs):
+        from specdec.verifiers.torch_engine import FusedCycle
+
+        return FusedCycle(target.engine, make_drafter(drafter).device_draft_fn("torch", k), k)
+    if k > target.engine.k_max:
+        raise SpecdecError(f"k={k} is outside 0..{target.engine.k_max} (the engine's captured maximum)")
+    draft = make_drafter(drafter) if k > 0 else None
+    return HostCycle(target.engine, draft, k if draft is not None else 0, sampling)
+
+
+def warm_up(cycle, prompts: list[list[int]], k: int, engine_name: str = "torch"):
+    """Compile and capture what a run of `cycle` on these prompts uses, by running two tokens of it; ->
+    (seconds, the persistent caches' hits and misses). The run timed next then measures decoding alone."""
+    from specdec import compile_cache
+
+    start = time.perf_counter()
+    with compile_cache.watch(engine_name) as report:
+        run_cycles(cycle, prompts, k, StopCondition(2))
+    return time.perf_counter() - start, report
 
 
 def make_drafter(name: str, min_ngram: int = 1, max_ngram: int = 3):
@@ -112,8 +163,9 @@ def generate(
     """Generate a completion per prompt; returns the texts and the Generation (tokens, SpecStats).
     `on_text(row, text)` streams decoded text as tokens are accepted. `fused` runs the n-gram drafter on
     the device inside one CUDA graph per cycle (greedy, torch engine); None: whenever that applies.
-    `compare_plain` first runs a plain decode of the same prompts on the same engine, so the stats
-    carry the speedup over it."""
+    `compare_plain` first runs a plain decode of the same prompts on the same engine and kind of cycle,
+    so the stats carry the speedup over it. The stats time set-up (load, compile), prefill and decoding
+    apart."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not isinstance(target, Target):
         target = load(target, batch=len(prompts), k_max=max(k, 0))
@@ -133,22 +185,18 @@ def generate(
         if text and on_text is not None:
             on_text(row, text)
 
-    fusable = target.engine_name == "torch" and drafter == "ngram" and sampling.greedy and k > 0
-    if fused and not fusable:
-        raise SpecdecError("--fused needs the torch engine, the ngram drafter, greedy sampling and k >= 1")
+    cycle = make_cycle(target, drafter, k, sampling, fused)
+    k = cycle.k  # 0 without a drafter
     baseline = None
-    if compare_plain:  # after a short warm-up, so neither side pays first-touch costs (weights are mmapped)
-        speculative_generate(target.engine, None, ids, 0, StopCondition(2), sampling)
-        baseline = speculative_generate(target.engine, None, ids, 0, stop, sampling).stats.tok_s
-    if fused or (fused is None and fusable and target.engine.use_graphs):
-        from specdec.generate import run_cycles
-        from specdec.verifiers.torch_engine import FusedCycle
-
-        cycle = FusedCycle(target.engine, make_drafter(drafter).device_draft_fn("torch", k), k)
-        result = run_cycles(cycle, ids, k, stop, on_tokens=stream)
-    else:
-        result = speculative_generate(target.engine, make_drafter(drafter), ids, k, stop, sampling, on_tokens=stream)
-    result.stats.baseline_tok_s = baseline
+    if compare_plain:  # like with like: the same engine and kind of cycle, set up before it is timed
+        plain = make_cycle(target, "none", 0, sampling, fused)
+        warm_up(plain, ids, 0)
+        baseline = run_cycles(plain, ids, 0, stop).stats.tok_s
+    compile_s, cache_report = warm_up(cycle, ids, k, target.engine_name)
+    result = run_cycles(cycle, ids, k, stop, on_tokens=stream)
+    stats = result.stats
+    stats.baseline_tok_s, stats.load_s, stats.compile_s, stats.compile_cache = (
+        baseline, target.load_s, compile_s, cache_report.label)
     if on_text is not None:
         for row, dec in enumerate(decoders):
             if tail := dec.flush():

@@ -16,6 +16,19 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Lossless spe
 err = Console(stderr=True)
 
 TARGET_HELP = "checkpoint directory (HF layout); default: the embedded Gemma 3 270M"
+# Measured on an H200 (270M, bf16): compiling costs 10 s with a warm inductor cache and saves ~3 ms per
+# token, so it pays off from a few thousand tokens on.
+COMPILE_FROM_TOKENS = 2048
+
+
+def quiet_libraries() -> None:
+    """Library warnings and log lines (inductor's, XLA's) stay out of the generated text."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"(torch|jax|jaxlib|flax|transformers)\b")
+    for name in ("torch", "jax", "absl"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def user_errors(fn):
@@ -54,8 +67,9 @@ def generate(
     fused: Optional[bool] = typer.Option(None, help="n-gram draft+verify+accept in one CUDA graph (default: on CUDA, greedy)"),
     compare_plain: bool = typer.Option(False, help="also time a plain decode first and report the speedup"),
     invariant: bool = typer.Option(True, help="row-invariant forwards: greedy output identical to plain decoding"),
+    compile: Optional[bool] = typer.Option(None, help="torch.compile the forward (CUDA): ~2.5x faster decoding after 10-45 s of compiling [default: from 2048 new tokens on]"),
 ):
-    """Generate text, streaming it, then print tau, acceptance and tok/s."""
+    """Generate text, streaming it, then print set-up and decoding times, tau, acceptance and tok/s."""
     import specdec
     from specdec.sampling import SamplingParams
 
@@ -65,8 +79,10 @@ def generate(
     if not invariant:
         err.print("[yellow]invariant forwards off: greedy output can differ from plain decoding at "
                   "floating-point near-ties[/yellow]")
+    if compile is None:  # compiling pays for itself only over long generations (see specdec.load)
+        compile = max_new_tokens >= COMPILE_FROM_TOKENS
     loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=max(k, 1), max_seq_len=max_seq_len,
-                          invariant=invariant)
+                          invariant=invariant, compile=compile)
     out = sys.stdout
     out.write(prompt)
     out.flush()
@@ -81,14 +97,8 @@ def generate(
     )
     out.write("\n")
     s = result.stats
-    per_pos = " ".join(f"{a:.2f}" for a in s.per_position_acceptance)
-    err.print(
-        f"[dim]{engine} · drafter {drafter if k else 'none'} · k={s.k} · {s.kept} tokens in {s.wall_s:.2f}s · "
-        f"{s.tok_s:.1f} tok/s · tau {s.tau:.2f} · acceptance {s.acceptance_rate:.2f}"
-        + (f" [{per_pos}]" if per_pos else "")
-        + (f" · {s.speedup:.2f}x plain decode ({s.baseline_tok_s:.1f} tok/s)" if s.speedup else "") + "[/dim]",
-        highlight=False,
-    )
+    err.print(f"[dim]{engine} · drafter {drafter if s.k else 'none'} · k={s.k} · {s.summary()}[/dim]",
+              highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -274,4 +284,5 @@ def inspect(target: Optional[Path] = typer.Option(None, help=TARGET_HELP)):
 
 
 def main() -> None:
+    quiet_libraries()
     app()

@@ -22,7 +22,8 @@ from specdec.sampling import SamplingParams
 class SpecStats:
     """Counts over a generation (summed over rows), with vLLM's definitions: tau = tokens emitted per
     verify cycle (accepted + 1); acceptance at position i = drafts accepted at i / cycles that drafted
-    at i. tok/s counts the tokens kept (after stop conditions) over the wall time, prefill included."""
+    at i. tok/s counts the tokens kept (after stop conditions) over the decoding time: prefill, and the
+    set-up before it (loading, compiling, capturing), are timed apart."""
 
     k: int
     cycles: int = 0
@@ -33,8 +34,12 @@ class SpecStats:
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     rejected_at: list[int] = field(default_factory=list)  # row 0's emitted-token index of each rejected draft
-    wall_s: float = 0.0
-    baseline_tok_s: float | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    baseline_tok_s: float | None = None  # plain decoding on the same engine and path (compare_plain)
+    load_s: float | None = None  # set-up, when the caller timed it
+    compile_s: float | None = None
+    compile_cache: str = ""  # "cache hit", "cache miss", ... where the framework reports it
 
     def __post_init__(self):
         self.drafted_at = self.drafted_at or [0] * self.k
@@ -68,7 +73,11 @@ class SpecStats:
 
     @property
     def tok_s(self) -> float:
-        return self.kept / self.wall_s if self.wall_s else 0.0
+        return self.kept / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def wall_s(self) -> float:
+        return self.prefill_s + self.decode_s
 
     @property
     def speedup(self) -> float | None:
@@ -79,8 +88,27 @@ class SpecStats:
             "k": self.k, "cycles": self.cycles, "emitted": self.emitted, "kept": self.kept, "drafted": self.drafted,
             "accepted": self.accepted, "tau": self.tau, "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance": self.per_position_acceptance, "tok_s": self.tok_s,
-            "wall_s": self.wall_s, "baseline_tok_s": self.baseline_tok_s, "speedup": self.speedup,
+            "prefill_s": self.prefill_s, "decode_s": self.decode_s, "baseline_tok_s": self.baseline_tok_s,
+            "speedup": self.speedup, "load_s": self.load_s, "compile_s": self.compile_s,
+            "compile_cache": self.compile_cache,
         }
+
+    def summary(self) -> str:
+        """One line, set-up apart from decoding: "loaded 1.1 s · compiled 2.9 s (cache hit) · prefill 9 ms ·
+        128 tokens at 1,180 tok/s · tau 2.80 · acceptance 0.45 [0.62 0.41 0.30 0.22]"."""
+        parts = []
+        if self.load_s is not None:
+            parts.append(f"loaded {self.load_s:.1f} s")
+        if self.compile_s is not None:
+            parts.append(f"compiled {self.compile_s:.1f} s" + (f" ({self.compile_cache})" if self.compile_cache else ""))
+        parts.append(f"prefill {self.prefill_s * 1e3:.0f} ms")
+        parts.append(f"{self.kept} tokens at {self.tok_s:,.0f} tok/s")
+        if self.k:
+            per_pos = " ".join(f"{a:.2f}" for a in self.per_position_acceptance)
+            parts.append(f"tau {self.tau:.2f} · acceptance {self.acceptance_rate:.2f} [{per_pos}]")
+        if self.speedup is not None:
+            parts.append(f"{self.speedup:.2f}x plain decoding ({self.baseline_tok_s:,.0f} tok/s)")
+        return " · ".join(parts)
 
 
 @dataclass
@@ -249,6 +277,9 @@ def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
     done = [False] * batch
     start = time.perf_counter()
     cycle.start(prompts)
+    synchronize(cycle.verifier)
+    stats.prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
     while not all(done):
         result = cycle.step()
         for b in range(batch):
@@ -261,8 +292,20 @@ def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
             stats.record(int(result.draft_len[b]), int(result.num_accepted[b]), len(new), len(kept), first_index)
             if on_tokens is not None:
                 on_tokens(b, kept)
-    stats.wall_s = time.perf_counter() - start
+    stats.decode_s = time.perf_counter() - start  # the last step read its results: nothing is in flight
     return Generation(rows, stats)
+
+
+def synchronize(verifier: Verifier) -> None:
+    """Wait for the verifier's queued device work (for timing)."""
+    if type(verifier).__module__.endswith("jax_engine"):
+        import jax
+
+        jax.block_until_ready(verifier.lengths)
+    elif getattr(verifier, "device", None) is not None and verifier.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(verifier.device)
 
 
 def speculative_generate(

@@ -132,7 +132,7 @@ def test_jax_engine_from_the_cli(ckpt):
 def test_compare_plain_reports_a_speedup(ckpt):
     code, _, err = run("generate", "Hello Hello Hello", "--target", str(ckpt), "--max-new-tokens", "10", "--compare-plain")
     assert code == 0, err
-    assert "x plain decode (" in err
+    assert "x plain decoding (" in err
 
 
 def test_validate_runs_every_gate_per_prompt(ckpt, tmp_path):
