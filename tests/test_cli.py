@@ -1,7 +1,6 @@
 """The CLI: real generation on the embedded model, and bad input as one line on stderr with exit 1."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -25,23 +24,6 @@ def one_line_error(code, stderr, *needles):
     assert lines[0].startswith("error:")
     for needle in needles:
         assert needle in lines[0]
-
-
-@pytest.fixture
-def ckpt(random_checkpoints, tmp_path):
-    """A random checkpoint with the real model's tokenizer (so the CLI can encode text)."""
-    from specdec.models.gguf_import import default_checkpoint
-
-    out = shutil.copytree(random_checkpoints["gemma3"], tmp_path / "ckpt")
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["vocab_size"] = 262144  # the tokenizer's
-    (out / "config.json").write_text(json.dumps(cfg))
-    tensors = load_file(out / "model.safetensors")
-    tensors["model.embed_tokens.weight"] = 0.1 * torch.randn(262144, 64)
-    save_file(tensors, out / "model.safetensors")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_checkpoint() / name, out / name)
-    return out
 
 
 @pytest.mark.slow
