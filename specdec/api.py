@@ -111,19 +111,26 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
 
 
 def make_cycle(target: Target, drafter: str, k: int, sampling: SamplingParams, fused: bool | None = None):
-    """The cycle a generation runs: fused on the device where the engine and drafter allow it (one CUDA
-    graph replay per cycle: torch on CUDA, the n-gram drafter, greedy), else driven from the host."""
-    fusable = target.engine_name == "torch" and drafter == "ngram" and sampling.greedy and k > 0
-    if fused and not fusable:
-        raise SpecdecError("--fused needs the torch engine, the ngram drafter, greedy sampling and k >= 1")
-    if fused or (fused is None and fusable and target.engine.use_graphs):
-        from specdec.verifiers.torch_engine import FusedCycle
-
-        return FusedCycle(target.engine, make_drafter(drafter).device_draft_fn("torch", k), k)
-    if k > target.engine.k_max:
+    """The cycle a generation runs, greedy or sampled. Fused (the default where it pays): the drafter runs
+    on the device and the whole draft -> verify -> accept cycle is one CUDA graph replay (torch on CUDA)
+    or one compiled step (JAX); plain decoding is the same cycle with k = 0. Otherwise driven from the host
+    (torch on the CPU, where there are no graphs to replay)."""
+    if not 0 <= k <= target.engine.k_max:
         raise SpecdecError(f"k={k} is outside 0..{target.engine.k_max} (the engine's captured maximum)")
     draft = make_drafter(drafter) if k > 0 else None
-    return HostCycle(target.engine, draft, k if draft is not None else 0, sampling)
+    k = k if draft is not None else 0
+    if fused is None:
+        fused = target.engine_name == "jax" or target.engine.use_graphs
+    if not fused:
+        return HostCycle(target.engine, draft, k, sampling)
+    draft_fn = draft.device_draft_fn(target.engine_name, k) if draft is not None else None
+    if target.engine_name == "jax":
+        from specdec.verifiers.jax_engine import JaxFusedCycle
+
+        return JaxFusedCycle(target.engine, draft_fn, k, sampling)
+    from specdec.verifiers.torch_engine import FusedCycle
+
+    return FusedCycle(target.engine, draft_fn, k, sampling)
 
 
 def warm_up(cycle, prompts: list[list[int]], k: int, engine_name: str = "torch"):
@@ -161,8 +168,8 @@ def generate(
     compare_plain: bool = False,
 ) -> tuple[list[str], Generation]:
     """Generate a completion per prompt; returns the texts and the Generation (tokens, SpecStats).
-    `on_text(row, text)` streams decoded text as tokens are accepted. `fused` runs the n-gram drafter on
-    the device inside one CUDA graph per cycle (greedy, torch engine); None: whenever that applies.
+    `on_text(row, text)` streams decoded text as tokens are accepted. `fused` runs each cycle on the device (see
+    make_cycle); None: where that pays (torch on CUDA, JAX).
     `compare_plain` first runs a plain decode of the same prompts on the same engine and kind of cycle,
     so the stats carry the speedup over it. The stats time set-up (load, compile), prefill and decoding
     apart."""

@@ -447,19 +447,21 @@ def gate_self_draft(eut: EngineUnderTest, prompt: list[int], n_tokens: int, ks=r
             detail["rejection_margins"] = [eut.margin(prompt + tokens[:i]) for i in s.rejected_at[:8]]
         results.append(GateResult(f"self_draft_k{k}/{eut.name}", perfect, detail))
     return results
-def gate_sampled_speculation(target, drafter, prompt: list[int], k: int, params: SamplingParams,
-                             name: str, seed: int = 0) -> GateResult:
-    """Speculative sampling end to end on a real target and drafter. Each row of the target's batch decodes
-    two tokens from the same prompt; the first must follow the target's warped distribution after the
-    prompt, the second the target's distribution after the prompt and the first (stratified by it). One
-    chi-square test over both positions. It catches what the rule-level gate cannot see: a drafter
-    reporting probabilities other than those it sampled from, or a loop feeding the rule the wrong rows.
-    The expected distributions come from the same engine's forward (row invariance makes them exact)."""
-    from specdec.generate import StopCondition, speculative_generate
+def gate_sampled_speculation(cycle, prompt: list[int], k: int, params: SamplingParams, name: str) -> GateResult:
+    """Speculative sampling end to end on a real target. `cycle` is the cycle under test, drafting k tokens
+    and sampling with `params`: specdec.generate.HostCycle with any drafter, or a fused cycle (torch's
+    FusedCycle, JaxFusedCycle). Each row of its verifier's batch decodes two tokens from the same prompt; the
+    first must follow the target's warped distribution after the prompt, the second the target's
+    distribution after the prompt and the first (stratified by it). One chi-square test over both
+    positions. It catches what the rule-level gate cannot see: a drafter reporting probabilities other than
+    those it sampled from, a loop feeding the rule the wrong rows, a fused cycle sampling otherwise than the
+    rule says. The expected distributions come from the same engine's forward (row invariance makes them
+    exact)."""
+    from specdec.generate import StopCondition, run_cycles
 
+    target = cycle.verifier
     draws = target.batch
-    params = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed)
-    gen = speculative_generate(target, drafter, [prompt] * draws, k, StopCondition(2), params)
+    gen = run_cycles(cycle, [prompt] * draws, k, StopCondition(2))
     first = np.array([t[0] for t in gen.tokens])
     second = np.array([t[1] for t in gen.tokens])
     framework = "jax" if type(target).__module__.endswith("jax_engine") else "torch"

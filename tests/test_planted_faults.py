@@ -16,6 +16,7 @@ import torch
 
 from specdec import gates
 from specdec.drafters.model import ModelDrafter
+from specdec.generate import HostCycle
 from specdec.models.torch_gemma import GemmaModel
 from specdec.sampling import SamplingParams
 from specdec.verifiers.torch_engine import TorchEngine
@@ -97,7 +98,8 @@ def sampled_speculation(random_checkpoints, drafter_cls=ModelDrafter):
     target_model = GemmaModel.from_checkpoint(path, max_seq_len=32)
     target = TorchEngine(target_model, batch=DRAWS, max_seq_len=32, k_max=3)
     drafter = drafter_cls(TorchEngine(perturbed(target_model, path), batch=DRAWS, max_seq_len=32, k_max=3), SAMPLING)
-    return gates.gate_sampled_speculation(target, drafter, PROMPT, 2, SAMPLING, "torch/model_drafter")
+    cycle = HostCycle(target, drafter, 2, SamplingParams(SAMPLING.temperature, SAMPLING.top_k, seed=0))
+    return gates.gate_sampled_speculation(cycle, PROMPT, 2, SAMPLING, "torch/model_drafter")
 
 
 def test_sampled_speculation_gate_passes_an_honest_drafter(random_checkpoints):

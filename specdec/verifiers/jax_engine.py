@@ -1,4 +1,4 @@
-"""The JAX verifier: jax_gemma's forward compiled once per T bucket, and greedy decode fused on the device.
+"""The JAX verifier: jax_gemma's forward compiled once per T bucket, and decoding fused on the device.
 
 - Row invariance (the default, `invariant=True`, as in torch_engine): every decode forward, plain or
   verify, host-driven or inside the fused loop, runs `decode_width(k_max)` rows wide as a commit-first
@@ -14,14 +14,18 @@
   harmless for the same reason: a pad written at position p takes the ring slot of p - slots, which stays
   outside every later query's window while p is within the decode width of the next real token.
 - `generate_fused` runs the whole decode in one `lax.while_loop` dispatch. Its body, `decode_step`, is one
-  draft -> verify -> accept -> commit cycle; with no drafter it is plain greedy decode (k = 0). A device-side
-  drafter plugs in as `draft_fn(state) -> [B, k]` tokens and the loop stays on the device.
+  draft -> verify -> accept -> commit cycle, greedy or sampled (lossless rejection sampling, the PRNG key in
+  the loop's state); with no drafter it is plain decoding (k = 0). A device-side drafter plugs in as
+  `draft_fn(tokens, context_len) -> [B, k]` tokens and the loop stays on the device. `JaxFusedCycle` runs
+  one compiled `decode_step` per call for the host loop (specdec.generate.run_cycles), as torch's FusedCycle.
 - With a `mesh`, weights are split over its "tp" axis by attention head and MLP column (o_proj / down_proj
   by row, so XLA reduces after them) and the cache by KV head; XLA inserts the collectives.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -29,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from specdec.acceptance.jax_rule import accept_greedy
+from specdec.acceptance.jax_rule import accept_greedy, accept_sampled
 from specdec.errors import SpecdecError
-from specdec.generate import check_context
+from specdec.generate import CycleResult, check_context
 from specdec.models.config import GemmaConfig, decode_width
 from specdec.models.jax_gemma import Cache, Params, forward, init_cache, load_params, reset_cache
 from specdec.protocol import VerifyOutput
+from specdec.sampling import SamplingParams
 
 TP_AXIS = "tp"
 
@@ -107,10 +112,28 @@ class DecodeState(NamedTuple):
     generated: jax.Array  # [B] tokens emitted so far
     done: jax.Array  # [B] bool: hit EOS or max tokens
     cycles: jax.Array  # [B] verify cycles run while not done (tau = generated / cycles)
+    key: jax.Array  # PRNG key of a sampled decode, split once per cycle (greedy decoding leaves it)
+
+
+class StepResult(NamedTuple):
+    """What one decode_step drafted and accepted, per row (the fields of specdec.generate.CycleResult)."""
+
+    num_accepted: jax.Array  # [B]
+    next_token: jax.Array  # [B]
+    draft: jax.Array  # [B, k]
+    draft_len: jax.Array  # [B]
 
 
 # A device drafter's function (specdec.protocol.DeviceDrafter): (tokens, context_len) -> (draft [B, k], draft_len [B]).
 DraftFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def _draft_fn_key(draft_fn: DraftFn | None):
+    """Compiled decode functions are shared by drafters of equal settings: device_draft_fn makes a new
+    functools.partial per call, equal to the last one in function and arguments but not in identity."""
+    if isinstance(draft_fn, functools.partial):
+        return draft_fn.func, draft_fn.args, tuple(sorted(draft_fn.keywords.items()))
+    return draft_fn
 
 
 class JaxEngine:
@@ -150,7 +173,7 @@ class JaxEngine:
         self._verify_fn = jax.jit(self._decode_forward, donate_argnums=1)
         self._reset_fn = jax.jit(lambda cache: self._constrain(reset_cache(cache)), donate_argnums=0)
         self._reset_row_fn = jax.jit(self._reset_row, donate_argnums=0)
-        self._loop_fns: dict[DraftFn | None, Callable] = {}
+        self._decode_fns: dict[tuple, Callable] = {}  # compiled decode loops and steps (see _decode_fn)
 
     @classmethod
     def from_checkpoint(cls, path, dtype=None, **kwargs) -> "JaxEngine":
@@ -177,10 +200,12 @@ class JaxEngine:
         slot_pos = {kind: p.at[row].set(-1) for kind, p in cache["slot_pos"].items()}
         return self._constrain(dict(cache, slot_pos=slot_pos))
 
-    def decode_step(self, params, state: DecodeState, max_new_tokens, eos_ids, draft_fn: DraftFn | None = None):
+    def decode_step(self, params, state: DecodeState, max_new_tokens, eos_ids, draft_fn: DraftFn | None = None,
+                    sampling: SamplingParams = SamplingParams()) -> tuple[DecodeState, StepResult]:
         """One cycle for every row: draft k tokens (k = 0 without a drafter), verify [pending] + drafts,
-        accept the longest argmax-matching prefix plus the target's next token, commit and emit them.
-        Rows already done emit nothing."""
+        accept (greedy: the longest argmax-matching prefix and the target's next token; sampled: lossless
+        rejection sampling, the drafter a point mass), commit and emit them. Rows already done emit nothing.
+        `sampling` is static; its seed is not read here (it seeded state.key)."""
         B = state.length.shape[0]
         rows = jnp.arange(B)[:, None]
         pending = state.tokens[rows, state.length[:, None]]
@@ -195,33 +220,56 @@ class JaxEngine:
         offsets = jnp.arange(k + 1, dtype=jnp.int32)
         tokens = self._pad(jnp.concatenate([pending, draft], axis=1))
         logits, _, cache = self._decode_forward(params, state.cache, tokens, state.length)
-        num_accepted, next_token = accept_greedy(draft, draft_len, logits[:, : k + 1])
+        key = state.key
+        if sampling.greedy:
+            num_accepted, next_token = accept_greedy(draft, draft_len, logits[:, : k + 1])
+        else:  # a device drafter is deterministic: no draft probabilities
+            key, cycle_key = jax.random.split(key)
+            num_accepted, next_token = accept_sampled(draft, draft_len, None, logits[:, : k + 1], sampling, cycle_key)
+        next_token = next_token.astype(jnp.int32)
         # Accepted drafts, then the target's token; entries past it are overwritten by the next cycle.
         padded_draft = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
-        emitted = jnp.where(offsets < num_accepted[:, None], padded_draft, next_token[:, None].astype(jnp.int32))
+        emitted = jnp.where(offsets < num_accepted[:, None], padded_draft, next_token[:, None])
         is_eos = (emitted[..., None] == eos_ids).any(-1) & (offsets <= num_accepted[:, None])
         hit_eos = is_eos.any(axis=1)
         count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, num_accepted + 1)
         count = jnp.where(state.done, 0, count).astype(jnp.int32)
         generated = state.generated + count
-        return DecodeState(
+        state = DecodeState(
             cache=self._constrain(cache),
             tokens=state.tokens.at[rows, state.length[:, None] + 1 + offsets].set(emitted),
             length=state.length + count,
             generated=generated,
             done=state.done | hit_eos | (generated >= max_new_tokens),
             cycles=state.cycles + (~state.done).astype(jnp.int32),
+            key=key,
         )
+        return state, StepResult(num_accepted, next_token, draft, draft_len)
 
-    def _loop_fn(self, draft_fn: DraftFn | None):
-        if draft_fn not in self._loop_fns:
+    def _loop_fn(self, draft_fn: DraftFn | None = None, sampling: SamplingParams = SamplingParams()):
+        """The whole decode, decode_step until every row is done, as one compiled while_loop."""
 
-            def loop(params, state, max_new_tokens, eos_ids):
-                step = lambda s: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn)  # noqa: E731
-                return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+        def loop(params, state, max_new_tokens, eos_ids):
+            step = lambda s: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn, sampling)[0]  # noqa: E731
+            return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
 
-            self._loop_fns[draft_fn] = jax.jit(loop, donate_argnums=1)
-        return self._loop_fns[draft_fn]
+        return self._decode_fn("loop", loop, draft_fn, sampling)
+
+    def _step_fn(self, draft_fn: DraftFn | None = None, sampling: SamplingParams = SamplingParams()):
+        """One compiled decode_step (JaxFusedCycle)."""
+
+        def step(params, state, max_new_tokens, eos_ids):
+            return self.decode_step(params, state, max_new_tokens, eos_ids, draft_fn, sampling)
+
+        return self._decode_fn("step", step, draft_fn, sampling)
+
+    def _decode_fn(self, kind: str, fn, draft_fn: DraftFn | None, sampling: SamplingParams):
+        """fn jitted (the state donated) once per kind, drafter settings and sampling filters; the seed only
+        seeds the state's key, so requests of other seeds reuse the compiled program."""
+        key = (kind, _draft_fn_key(draft_fn), dataclasses.replace(sampling, seed=None))
+        if key not in self._decode_fns:
+            self._decode_fns[key] = jax.jit(fn, donate_argnums=1)
+        return self._decode_fns[key]
 
     # -- the protocol -------------------------------------------------------------------------------------
 
@@ -310,35 +358,47 @@ class JaxEngine:
                 break
         return out
 
-    def generate_fused(self, prompt_ids: list[int], max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None):
-        """Greedy decode in one device dispatch (after prefill): a lax.while_loop of decode_step until EOS or
-        max tokens. With a draft_fn it is greedy speculative decoding, with the same output."""
-        state = self.begin_decode(prompt_ids, max_new_tokens, draft_fn)
-        state = self.decode_fused(state, max_new_tokens, eos_ids, draft_fn)
+    def generate_fused(self, prompt_ids: list[int], max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None,
+                       sampling: SamplingParams = SamplingParams()):
+        """Decode in one device dispatch (after prefill): a lax.while_loop of decode_step until EOS or max
+        tokens. Greedy by default; with a draft_fn it is speculative decoding, with the same output (greedy:
+        the same tokens; sampled: the same distribution, reproducible per seed)."""
+        state = self.begin_decode(prompt_ids, max_new_tokens, draft_fn, sampling)
+        state = self.decode_fused(state, max_new_tokens, eos_ids, draft_fn, sampling)
         return self.emitted_tokens(state, len(prompt_ids), max_new_tokens)
 
-    def begin_decode(self, prompt_ids: list[int], max_new_tokens: int, draft_fn: DraftFn | None = None) -> DecodeState:
+    def begin_decode(self, prompt_ids: list[int], max_new_tokens: int, draft_fn: DraftFn | None = None,
+                     sampling: SamplingParams = SamplingParams()) -> DecodeState:
         """Prefill one prompt and build the loop's state (batch 1)."""
         self._check_generation(prompt_ids, max_new_tokens)
-        self.prefill([prompt_ids])
-        tokens = np.zeros((1, self.max_seq_len + self.k_max + 1), np.int32)
-        tokens[0, : len(prompt_ids)] = prompt_ids
+        return self._start_decode([prompt_ids], sampling, done=max_new_tokens <= 0)
+
+    def _start_decode(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
+                      done: bool = False) -> DecodeState:
+        """Prefill one prompt per row and build the decode state: the prompts in the token buffer, the
+        PRNG key seeded from the request (seed None: 0)."""
+        self.prefill(prompts)
+        tokens = np.zeros((self.batch, self.max_seq_len + self.k_max + 1), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = prompt
         return DecodeState(
             cache=self.cache,
             tokens=jnp.asarray(tokens),
             length=self.lengths,
-            generated=jnp.zeros(1, jnp.int32),
-            done=jnp.full(1, max_new_tokens <= 0),
-            cycles=jnp.zeros(1, jnp.int32),
+            generated=jnp.zeros(self.batch, jnp.int32),
+            done=jnp.full(self.batch, done),
+            cycles=jnp.zeros(self.batch, jnp.int32),
+            key=jax.random.PRNGKey(sampling.seed or 0),
         )
 
-    def decode_fused(self, state: DecodeState, max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None):
+    def decode_fused(self, state: DecodeState, max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None,
+                     sampling: SamplingParams = SamplingParams()):
         """The whole decode loop as one compiled call; returns the final state without waiting for it."""
         eos = np.full(-(-max(len(eos_ids), 1) // 8) * 8, -1, np.int32)  # padded to a multiple of 8: fewer recompiles
         eos[: len(eos_ids)] = list(eos_ids)
         self.cache = None  # donated to the loop
         self.dispatches += 1
-        loop = self._loop_fn(draft_fn)
+        loop = self._loop_fn(draft_fn, sampling)
         state = loop(self.params, state, jax.device_put(np.int32(max_new_tokens)), jax.device_put(eos))
         self.cache, self.lengths = state.cache, state.length
         return state
@@ -352,3 +412,38 @@ class JaxEngine:
         if self.batch != 1:
             raise SpecdecError("generate runs batch 1")
         check_context(self, [prompt_ids], max_new_tokens)
+
+
+class JaxFusedCycle:
+    """One cycle, draft (on the device) -> verify -> accept -> commit, as one compiled decode_step per call:
+    the host interface of torch's FusedCycle (`verifier`, `start`, `step`), so specdec.generate.run_cycles
+    drives either engine's fused cycle. EOS, stop strings and max tokens stay on the host: the step never
+    marks a row done, and every row emits its accepted drafts and next token each cycle, as FusedCycle's
+    rows do. One host sync per cycle.
+
+    `draft_fn` proposes k tokens (a device drafter's function, specdec.protocol.DeviceDrafter); with k = 0
+    nothing is drafted (draft_fn may be None) and each cycle is one plain decode step. Sampled decoding draws
+    from a PRNG key seeded from `sampling.seed` (0 if None) at each `start`. The compiled step is the
+    engine's, shared by every cycle of equal drafter settings and sampling filters."""
+
+    def __init__(self, engine: JaxEngine, draft_fn: DraftFn | None, k: int, sampling: SamplingParams = SamplingParams()):
+        if not 0 <= k <= engine.k_max:
+            raise SpecdecError(f"k={k} is outside 0..{engine.k_max} (the engine's compiled maximum)")
+        if k > 0 and draft_fn is None:
+            raise SpecdecError(f"k={k} drafts need a draft function")
+        self.verifier, self.k, self.sampling = engine, k, sampling
+        self._step = engine._step_fn(draft_fn if k > 0 else None, sampling)
+        # No device-side stop: a max beyond any context and no EOS (-1 is no token).
+        self._no_stop = (jax.device_put(np.int32(np.iinfo(np.int32).max)), jax.device_put(np.full(8, -1, np.int32)))
+        self.state: DecodeState | None = None
+
+    def start(self, prompts: list[list[int]]) -> None:
+        self.state = self.verifier._start_decode(prompts, self.sampling)
+
+    def step(self) -> CycleResult:
+        engine = self.verifier
+        engine.cache = None  # donated to the step
+        engine.dispatches += 1
+        self.state, result = self._step(engine.params, self.state, *self._no_stop)
+        engine.cache, engine.lengths = self.state.cache, self.state.length
+        return CycleResult(*(np.asarray(a) for a in jax.device_get(tuple(result))))

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import torch
 
+from specdec.acceptance.torch_rule import accept_greedy, accept_sampled
 from specdec.errors import SpecdecError
-from specdec.generate import check_context
+from specdec.generate import CycleResult, check_context
 from specdec.models.config import decode_width
 from specdec.models.torch_gemma import GemmaModel, KVCache
 from specdec.protocol import VerifyOutput
+from specdec.sampling import SamplingParams
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds activation memory)
 
@@ -205,18 +207,25 @@ class TorchEngine:
 
 
 class FusedCycle:
-    """A whole greedy cycle for a device-side drafter as one CUDA graph replay: draft from the device
-    token buffer, verify, accept, append the emitted tokens to the buffer, advance the cache. The host
-    reads only the small per-row result (one sync per cycle). Eager on CPU, same operations.
+    """A whole cycle for a device-side drafter as one CUDA graph replay: draft from the device token buffer,
+    verify, accept, append the emitted tokens to the buffer, advance the cache. The host reads only the
+    small per-row result (one sync per cycle). Eager on CPU, same operations.
 
-    `draft_fn` is a device drafter's function (specdec.protocol.DeviceDrafter) proposing k tokens."""
+    `draft_fn` is a device drafter's function (specdec.protocol.DeviceDrafter) proposing k tokens; with k = 0
+    nothing is drafted (draft_fn may be None) and each cycle is one plain decode step. Greedy sampling keeps
+    the argmax-matching prefix. Otherwise lossless rejection sampling, the drafter a point mass (a device
+    drafter is deterministic), drawing from the cycle's own generator: `start` seeds it from `sampling.seed`
+    (0 if None), so a seeded request draws the same numbers whatever ran before it, graphed or eager."""
 
-    def __init__(self, engine: TorchEngine, draft_fn, k: int):
-        if not 1 <= k <= engine.k_max:
-            raise SpecdecError(f"k={k} is outside 1..{engine.k_max} (the engine's captured maximum)")
-        self.verifier, self.draft_fn, self.k = engine, draft_fn, k
+    def __init__(self, engine: TorchEngine, draft_fn, k: int, sampling: SamplingParams = SamplingParams()):
+        if not 0 <= k <= engine.k_max:
+            raise SpecdecError(f"k={k} is outside 0..{engine.k_max} (the engine's captured maximum)")
+        if k > 0 and draft_fn is None:
+            raise SpecdecError(f"k={k} drafts need a draft function")
+        self.verifier, self.draft_fn, self.k, self.sampling = engine, draft_fn, k, sampling
         self.buffer = torch.zeros(engine.batch, engine.max_seq_len + k + 1, dtype=torch.long, device=engine.device)
         self.context_len = torch.zeros(engine.batch, dtype=torch.long, device=engine.device)  # pending included
+        self.generator = None if sampling.greedy else torch.Generator(device=engine.device)
         self._graph: tuple[torch.cuda.CUDAGraph, tuple] | None = None
 
     def start(self, prompts: list[list[int]]) -> None:
@@ -225,15 +234,23 @@ class FusedCycle:
         for b, prompt in enumerate(prompts):
             self.buffer[b, : len(prompt)] = torch.tensor(prompt, device=self.buffer.device)
         self.context_len.copy_(torch.tensor([len(p) for p in prompts], device=self.buffer.device))
+        if self.generator is not None:
+            self.generator.manual_seed(self.sampling.seed or 0)
+
+    def _draft(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k == 0:
+            return self.buffer[:, :0], torch.zeros_like(self.context_len)
+        return self.draft_fn(self.buffer, self.context_len)
 
     def _cycle(self):
-        from specdec.acceptance.torch_rule import accept_greedy
-
         engine, k = self.verifier, self.k
-        draft, draft_len = self.draft_fn(self.buffer, self.context_len)
+        draft, draft_len = self._draft()
         pending = self.buffer.gather(1, (self.context_len - 1)[:, None])
-        logits = engine._forward(engine.pad(torch.cat([pending, draft], dim=1))).logits
-        num_accepted, next_token = accept_greedy(draft, draft_len, logits[:, : k + 1])
+        logits = engine._forward(engine.pad(torch.cat([pending, draft], dim=1))).logits[:, : k + 1]
+        if self.sampling.greedy:
+            num_accepted, next_token = accept_greedy(draft, draft_len, logits)
+        else:
+            num_accepted, next_token = accept_sampled(draft, draft_len, None, logits, self.sampling, self.generator)
         # Emitted tokens: the accepted drafts, then the target's token; slots past it get junk that
         # the next cycle overwrites (they lie beyond the new context length).
         j = torch.arange(k + 1, device=draft.device)[None]
@@ -249,14 +266,19 @@ class FusedCycle:
         """Warm up and capture on a side stream, putting back the state each cycle advanced. Every one of
         them must start from the committed state: their cache writes then lie within one forward width past
         the committed length, rolled back like rejected drafts. Cycles chained from one another would write
-        further and overwrite ring slots that the window still needs."""
+        further and overwrite ring slots that the window still needs. The generator is put back too, so the
+        first replay draws what an eager first cycle would; registered with the graph, it gives each replay
+        fresh numbers (its offset advances by the graph's draws, as eager cycles advance it)."""
         engine = self.verifier
         state = (self.buffer, self.context_len, engine.lengths)
         saved = [t.clone() for t in state]
+        saved_rng = None if self.generator is None else self.generator.get_state()
 
         def restore():
             for live, snapshot in zip(state, saved):
                 live.copy_(snapshot)
+            if self.generator is not None:
+                self.generator.set_state(saved_rng)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -266,14 +288,14 @@ class FusedCycle:
                 restore()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        if self.generator is not None:
+            graph.register_generator_state(self.generator)
         with torch.inference_mode(), torch.cuda.graph(graph):
             outputs = self._cycle()
         restore()
         self._graph = (graph, outputs)
 
-    def step(self):
-        from specdec.generate import CycleResult
-
+    def step(self) -> CycleResult:
         if self.verifier.use_graphs:
             if self._graph is None:
                 self._capture()

@@ -1,0 +1,198 @@
+"""Sampled decoding in the fused cycles (torch's FusedCycle, JaxFusedCycle, the JAX while_loop): the same
+tokens as the host loop for a seed, seeds that reproduce and differ, filters that reach the sampler, the
+end-to-end sampling gate, greedy unchanged; on CUDA, the sampled cycle captured as a graph."""
+
+import jax.numpy as jnp
+import pytest
+import torch
+
+from specdec import gates
+from specdec.drafters.ngram import NgramDrafter
+from specdec.generate import HostCycle, StopCondition, run_cycles
+from specdec.models.torch_gemma import GemmaModel
+from specdec.sampling import SamplingParams
+from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
+from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
+
+VARIANT = "gemma3"  # this random checkpoint repeats itself, so n-gram drafts are often right
+PROMPTS = [[2, 5, 6, 7, 5, 6, 7, 5, 6], [2, 9, 9, 9, 9]]
+K = 3
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
+FRAMEWORKS = ["torch", "jax"]
+
+DRAWS = 2000  # rows of the sampling gate's batch
+GATE_K = 2
+GATE_SAMPLING = SamplingParams(temperature=0.7, top_k=8)  # few outcomes per position: every stratum well filled
+
+
+@pytest.fixture(scope="module")
+def model(random_checkpoints):
+    return GemmaModel.from_checkpoint(random_checkpoints[VARIANT], max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def engines(model, random_checkpoints):
+    """framework -> a batch-2 engine, shared by the tests' cycles (each start prefills anew; JAX cycles of
+    equal settings share its compiled step)."""
+    return {
+        "torch": TorchEngine(model, batch=2, max_seq_len=64, k_max=K),
+        "jax": JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, batch=2, max_seq_len=64,
+                                         k_max=K),
+    }
+
+
+def fused(engine, k: int, sampling: SamplingParams):
+    """The engine's fused cycle with the device n-gram drafter (none at k = 0)."""
+    framework, cycle_class = ("jax", JaxFusedCycle) if isinstance(engine, JaxEngine) else ("torch", FusedCycle)
+    return cycle_class(engine, NgramDrafter().device_draft_fn(framework, k) if k else None, k, sampling)
+
+
+def decode(cycle, k: int, n: int = 24, prompts=PROMPTS):
+    return run_cycles(cycle, prompts, k, StopCondition(n))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("k", [0, K])
+def test_greedy_fused_cycle_is_plain_decoding(engines, framework, k):
+    engine = engines[framework]
+    plain = decode(HostCycle(engine, None, 0, GREEDY), 0).tokens
+    assert decode(fused(engine, k, GREEDY), k).tokens == plain
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("k", [0, K])
+def test_sampled_fused_cycle_draws_what_the_host_loop_draws(engines, framework, k):
+    """One seed, the same random numbers in the same order and the same logits: the fused cycle emits the
+    host loop's tokens exactly, with the same drafts accepted."""
+    engine = engines[framework]
+    host = decode(HostCycle(engine, NgramDrafter() if k else None, k, SAMPLED), k)
+    run = decode(fused(engine, k, SAMPLED), k)
+    assert run.tokens == host.tokens
+    assert run.stats.accepted_at == host.stats.accepted_at and run.stats.drafted_at == host.stats.drafted_at
+    if k:
+        assert 0 < host.stats.accepted < host.stats.drafted  # both acceptances and rejections were drawn
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_seeded_runs_reproduce_and_seeds_differ(engines, framework):
+    engine = engines[framework]
+    run = lambda cycle: decode(cycle, K, 16).tokens  # noqa: E731
+    cycle = fused(engine, K, SamplingParams(1.0, seed=1))
+    first = run(cycle)
+    assert run(cycle) == first  # start reseeds: the cycle's next request draws the same numbers
+    assert run(fused(engine, K, SamplingParams(1.0, seed=1))) == first
+    assert run(fused(engine, K, SamplingParams(1.0, seed=2))) != first
+    assert run(fused(engine, K, SamplingParams(1.0))) == run(fused(engine, K, SamplingParams(1.0, seed=0)))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_filters_reach_the_fused_sampler(engines, framework):
+    """At temperature 5 sampling wanders far from the greedy tokens; top-k 1, top-p 0.001 and min-p 0.999
+    each leave only the most likely token (its probability is at least 1 / vocab > 0.001), so each filter
+    alone brings the greedy tokens back."""
+    engine = engines[framework]
+    greedy = decode(fused(engine, K, GREEDY), K, 16).tokens
+    assert decode(fused(engine, K, SamplingParams(5.0)), K, 16).tokens != greedy
+    for only_the_top in (SamplingParams(5.0, top_k=1), SamplingParams(5.0, top_p=1e-3), SamplingParams(5.0, min_p=0.999)):
+        assert decode(fused(engine, K, only_the_top), K, 16).tokens == greedy, only_the_top
+
+
+def test_jax_cycles_of_equal_settings_share_one_compiled_step(engines):
+    """device_draft_fn makes a new functools.partial each call, and seeds differ per request: neither
+    compiles again."""
+    engine = engines["jax"]
+    first, second = fused(engine, K, SamplingParams(0.8, seed=1)), fused(engine, K, SamplingParams(0.8, seed=2))
+    assert first._step is second._step
+    assert fused(engine, K, SamplingParams(0.9))._step is not first._step
+    loop = engine._loop_fn(NgramDrafter().device_draft_fn("jax", K), SamplingParams(0.8, seed=1))
+    assert engine._loop_fn(NgramDrafter().device_draft_fn("jax", K), SamplingParams(0.8, seed=2)) is loop
+    decode(first, K, 8)
+    decode(second, K, 8)
+    assert first._step._cache_size() == 1  # traced once
+
+
+def test_jax_fused_loop_samples_like_the_fused_cycle(random_checkpoints):
+    """generate_fused (one while_loop) and JaxFusedCycle (one dispatch per cycle) run the same decode_step
+    with the same key: the same tokens; seeds reproduce and differ."""
+    engine = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=64, k_max=K)
+    draft_fn = NgramDrafter().device_draft_fn("jax", K)
+    looped = engine.generate_fused(PROMPTS[0], 30, draft_fn=draft_fn, sampling=SAMPLED)
+    assert len(looped) == 30
+    assert decode(fused(engine, K, SAMPLED), K, 30, PROMPTS[:1]).tokens == [looped]
+    assert engine.generate_fused(PROMPTS[0], 30, draft_fn=draft_fn, sampling=SAMPLED) == looped
+    other_seed = SamplingParams(SAMPLED.temperature, top_p=SAMPLED.top_p, seed=4)
+    assert engine.generate_fused(PROMPTS[0], 30, draft_fn=draft_fn, sampling=other_seed) != looped
+
+
+# --- the end-to-end sampling gate on the fused cycles ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gate_prompt(model) -> list[int]:
+    """A prompt ending in a run of tokens that the checkpoint continues: the n-gram drafter proposes the
+    token the target most likely samples next, so drafts are both accepted and rejected."""
+    base = [2, 159, 23, 41, 11]
+    return base + TorchEngine(model, max_seq_len=64).greedy_decode(base, 16)
+
+
+def gate_engine(framework: str, model, random_checkpoints, **torch_options):
+    if framework == "jax":
+        return JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, batch=DRAWS, max_seq_len=32,
+                                         k_max=GATE_K)
+    return TorchEngine(model, batch=DRAWS, max_seq_len=32, k_max=GATE_K, **torch_options)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_sampling_gate_passes_the_fused_cycle(model, random_checkpoints, gate_prompt, framework):
+    cycle = fused(gate_engine(framework, model, random_checkpoints), GATE_K, GATE_SAMPLING)
+    result = gates.gate_sampled_speculation(cycle, gate_prompt, GATE_K, GATE_SAMPLING, f"{framework}/fused")
+    assert result.passed, result.detail
+    assert 0.05 < result.detail["acceptance"] < 0.95  # accepted drafts and residual draws were both tested
+    assert result.detail["first_tokens"] > 1
+
+
+
+def test_sampling_gate_catches_a_fused_cycle_sampling_at_another_temperature(model, random_checkpoints, gate_prompt):
+    """A planted fault: the cycle samples at temperature 1.0 while the request asked for GATE_SAMPLING's 0.7
+    (a setting lost on its way into a captured cycle is one such bug). Greedy decoding cannot see it."""
+    wrong = SamplingParams(1.0, GATE_SAMPLING.top_k)
+    cycle = fused(gate_engine("torch", model, random_checkpoints), GATE_K, wrong)
+    result = gates.gate_sampled_speculation(cycle, gate_prompt, GATE_K, GATE_SAMPLING, "torch/fused-fault")
+    assert not result.passed, result.detail
+
+# --- CUDA: the sampled cycle captured as one graph ---------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_graph_sampled_cycle_reproduces_and_matches_eager(random_checkpoints):
+    """The generator registered with the graph: every replay draws fresh numbers, two captures with one seed
+    emit the same tokens, and the graphed cycle draws exactly what the eager one draws (warm-up and
+    capture leave the generator as they found it)."""
+    cuda_model = GemmaModel.from_checkpoint(random_checkpoints[VARIANT], dtype=torch.bfloat16, device="cuda",
+                                            max_seq_len=1024)
+
+    def run(graphs: bool, k: int, sampling: SamplingParams, cycle=None):
+        cycle = cycle or fused(TorchEngine(cuda_model, batch=2, max_seq_len=1024, k_max=K, cuda_graphs=graphs), k,
+                               sampling)
+        return cycle, decode(cycle, k, 300).tokens
+
+    for k in (0, K):
+        cycle, graphed = run(True, k, SAMPLED)
+        assert len(graphed[0]) == 300 and len(set(graphed[0])) > 20  # fresh numbers every replay
+        assert run(True, k, SAMPLED)[1] == graphed  # a second capture
+        assert run(True, k, SAMPLED, cycle)[1] == graphed  # a second request on the captured graph
+        assert run(False, k, SAMPLED)[1] == graphed
+        other_seed = SamplingParams(SAMPLED.temperature, top_p=SAMPLED.top_p, seed=4)
+        assert run(True, k, other_seed)[1] != graphed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_sampling_gate_passes_the_cuda_fused_cycle(random_checkpoints, gate_prompt, graphs):
+    cuda_model = GemmaModel.from_checkpoint(random_checkpoints[VARIANT], device="cuda", max_seq_len=64)
+    engine = gate_engine("torch", cuda_model, random_checkpoints, cuda_graphs=graphs)
+    cycle = fused(engine, GATE_K, GATE_SAMPLING)
+    result = gates.gate_sampled_speculation(cycle, gate_prompt, GATE_K, GATE_SAMPLING, "torch/cuda")
+    assert result.passed, result.detail
+    assert 0.05 < result.detail["acceptance"] < 0.95
