@@ -64,7 +64,7 @@ def generate(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (torch engine)"),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
     max_seq_len: int = typer.Option(4096, help="context length the KV cache holds"),
-    fused: Optional[bool] = typer.Option(None, help="n-gram draft+verify+accept in one CUDA graph (default: on CUDA, greedy)"),
+    fused: Optional[bool] = typer.Option(None, help="draft+verify+accept on the device: one CUDA graph replay (torch) or compiled step (JAX) per cycle [default: torch on CUDA, JAX]"),
     compare_plain: bool = typer.Option(False, help="also time a plain decode first and report the speedup"),
     invariant: bool = typer.Option(True, help="row-invariant forwards: greedy output identical to plain decoding"),
     compile: Optional[bool] = typer.Option(None, help="torch.compile the forward (CUDA): ~2.5x faster decoding after 10-45 s of compiling [default: from 2048 new tokens on]"),
@@ -250,6 +250,87 @@ def _gate_engines(engine, path, device, dtype, k_max, context, invariant):
     if engine == "torch":
         return gates.torch_engines(loaded.engine.model, k_max=k_max, invariant=invariant)
     return gates.jax_engines(loaded.engine, k_max=k_max, invariant=invariant)
+
+
+@app.command()
+@user_errors
+def bench(
+    target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
+    engines: str = typer.Option("torch,jax", help="our engines, comma-separated: torch, jax"),
+    k: str = typer.Option("2,4,8", "--k", help="draft lengths K of the n-gram runs, comma-separated (plain decoding always runs)"),
+    k_max: Optional[int] = typer.Option(None, help="the engines' largest K, which sets their decode width [default: the largest --k]"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="tokens per decode [default: 128 on CUDA, 32 on CPU]"),
+    prompts: Optional[Path] = typer.Option(None, help="JSONL with a 'prompt' field, or text with one prompt per line [default: the packaged prompt set]"),
+    dataset: Optional[str] = typer.Option(None, help="a local Hugging Face dataset: a .jsonl/.json/.csv/.parquet/.txt file, or a directory (save_to_disk)"),
+    field: Optional[str] = typer.Option(None, help="the dataset's prompt column [default: 'prompt', else 'text']"),
+    num_prompts: Optional[int] = typer.Option(None, help="use the first N prompts"),
+    peer: bool = typer.Option(True, help="also run transformers' generate: plain and prompt lookup at each K"),
+    invariant: bool = typer.Option(True, help="row-invariant forwards: speculative output identical to plain decoding"),
+    compile: bool = typer.Option(True, help="torch.compile the torch engine's forward on CUDA (during the warm-up, not timed)"),
+    out: Path = typer.Option(Path("specdec-bench.json"), help="JSON results to write"),
+    plot: Optional[Path] = typer.Option(None, help="PNG of tok/s against K [default: --out with .png]"),
+):
+    """Benchmark plain decoding and n-gram speculative decoding on both engines against transformers'
+    generate, on the same prompts: a table of tok/s, ratios, tau and whether each output is the plain
+    decode's; JSON and a PNG. Exit 1 if a speculative output differs from plain decoding."""
+    import json
+
+    from specdec import bench as benchmark
+
+    settings = benchmark.BenchSettings(
+        target=target, engines=tuple(benchmark.parse_list(engines, "--engines")), ks=benchmark.parse_ks(k),
+        k_max=k_max, max_new_tokens=max_new_tokens, prompts_file=prompts, dataset=dataset, field=field,
+        num_prompts=num_prompts, peer=peer, invariant=invariant, compile=compile,
+    )
+    benchmark.require("matplotlib", "the plot")
+    if not invariant:
+        err.print("[yellow]invariant forwards off: speculative output can differ from plain decoding at "
+                  "floating-point near-ties[/yellow]")
+    record = benchmark.run_bench(settings)
+    benchmark.print_table(record, Console())
+    out.write_text(json.dumps(record, indent=1))
+    plot = plot or out.with_suffix(".png")
+    benchmark.plot_bench(record, plot)
+    err.print(f"results in {out}, plot in {plot}", soft_wrap=True)
+    if not record["identical"]:
+        where = "; ".join(benchmark.differences(record))
+        if invariant:
+            err.print(f"[bold red]BUG: speculative output differs from the same engine's plain decode although the "
+                      f"forwards are row-invariant: {where}[/bold red]", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        err.print(f"[yellow]speculative output differs from plain decoding (invariant forwards off): {where}[/yellow]",
+                  highlight=False, soft_wrap=True)
+
+
+@app.command()
+@user_errors
+def serve(
+    target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
+    engine: str = typer.Option("torch", help="torch | jax"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(8000, help="port to listen on (0: a free one)"),
+    max_num_seqs: int = typer.Option(8, help="requests decoded together (rows of the engine's batch)"),
+    max_model_len: int = typer.Option(4096, help="context per request: prompt + generated tokens"),
+    speculative_config: Optional[str] = typer.Option(None, help='JSON as vLLM\'s, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}\'; absent: plain decoding'),
+    served_model_name: Optional[str] = typer.Option(None, help="the model name requests use [default: the checkpoint directory's name]"),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
+    compile: bool = typer.Option(True, help="torch.compile the forward (torch on CUDA)"),
+):
+    """Serve the OpenAI API (completions and chat, streamed or whole) from one warm engine, batching
+    concurrent requests continuously; /metrics for Prometheus, /health."""
+    try:
+        from specdec.serve.app import ModelServer, ServeConfig
+    except ImportError as e:
+        raise SpecdecError(f"specdec serve needs the serve extra (pip install 'specdec[serve]'): {e}") from None
+    from specdec.serve.scheduler import SpeculativeConfig
+
+    config = ServeConfig(target=target, engine=engine, host=host, port=port, max_num_seqs=max_num_seqs,
+                         max_model_len=max_model_len, speculative=SpeculativeConfig.from_json(speculative_config),
+                         served_model_name=served_model_name, dtype=dtype, compile=compile)
+    server = ModelServer(config)
+    url = server.start()
+    print(f"serving {server.model_name} at {url}/v1 ({engine}, {max_num_seqs} rows, k={config.speculative.k})", flush=True)
+    server.wait()
 
 
 @app.command("import-gguf")

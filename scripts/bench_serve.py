@@ -1,0 +1,68 @@
+"""Load-test `specdec serve`: N concurrent OpenAI clients at several concurrencies, requests/s and tokens/s.
+
+    python scripts/bench_serve.py --url http://127.0.0.1:8000 [--concurrency 1,4,16] [--max-tokens 128]
+    python scripts/bench_serve.py --target DIR [--engine torch] [--max-num-seqs 16] \\
+        [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}']    # starts a server in-process
+
+Each client sends --requests-per-client streamed completions one after another, prompts taken in turn from
+--prompts (default: scripts/prompts/identical_greedy.jsonl). Prints a table and writes JSON (device, date,
+commit, one row per concurrency: req/s, tok/s, median time to first token and latency, the server's tau).
+The logic lives in specdec.serve.bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from specdec.cli import read_prompts
+from specdec.serve.bench import LoadSettings, print_table, run_load
+
+DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "identical_greedy.jsonl"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="a running server; without it one is started in-process")
+    parser.add_argument("--target", type=Path, help="checkpoint of the in-process server [default: the embedded 270M]")
+    parser.add_argument("--engine", default="torch")
+    parser.add_argument("--max-num-seqs", type=int, help="rows of the in-process server [default: the largest concurrency]")
+    parser.add_argument("--speculative-config", help="the in-process server's, as `specdec serve` takes it")
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
+    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--out", type=Path, default=Path("serve-bench.json"))
+    args = parser.parse_args()
+
+    concurrencies = tuple(int(c) for c in args.concurrency.split(","))
+    server = None
+    url = args.url
+    if url is None:
+        from specdec.serve.app import ModelServer, ServeConfig
+        from specdec.serve.scheduler import SpeculativeConfig
+
+        server = ModelServer(ServeConfig(
+            target=args.target, engine=args.engine, port=0, max_num_seqs=args.max_num_seqs or max(concurrencies),
+            speculative=SpeculativeConfig.from_json(args.speculative_config)))
+        url = server.start()
+        print(f"server at {url}", flush=True)
+    try:
+        settings = LoadSettings(url=url.rstrip("/"), prompts=read_prompts(args.prompts), concurrencies=concurrencies,
+                                requests_per_client=args.requests_per_client, max_tokens=args.max_tokens,
+                                temperature=args.temperature)
+        record = run_load(settings)
+    finally:
+        if server is not None:
+            server.stop()
+    print_table(record, Console())
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"results in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

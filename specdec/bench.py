@@ -1,0 +1,429 @@
+"""`specdec bench`: our plain and n-gram speculative decoding, on both engines, side by side with Hugging
+Face transformers' `generate` (plain and prompt lookup) on the same prompts, device and dtype, in one run.
+
+Ours runs through the public API (`specdec.load`, `specdec.generate`), so the numbers are what users get.
+Every speculative run is compared token by token with the same engine's plain decode of the same prompt;
+with row-invariant forwards (the default) any difference is a bug. Each configuration is warmed up first
+(compilation and first touch are not measured); then each prompt's decode is timed: prefill and decoding,
+synchronised with the device. tok/s of a method = its tokens over its seconds, summed over the prompts.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+from specdec.generate import SpecStats
+
+PEER = "transformers"
+WARMUP_TOKENS = 8  # enough to run every forward a timed decode runs: prefill, a plain step, a verify
+
+
+@dataclass
+class BenchSettings:
+    """What to measure. Prompts come from `prompts_file`, else `dataset`, else the packaged set."""
+
+    target: Path | None = None  # None: the embedded Gemma 3 270M
+    engines: tuple[str, ...] = ("torch", "jax")
+    ks: tuple[int, ...] = (2, 4, 8)
+    k_max: int | None = None  # the engines' captured maximum (sets the decode width); None: max(ks)
+    max_new_tokens: int | None = None  # None: 128 on CUDA, 32 on CPU
+    prompts_file: Path | None = None
+    dataset: str | None = None  # a local Hugging Face dataset: a data file, or a directory
+    field: str | None = None  # the dataset's prompt column; None: "prompt", else "text"
+    num_prompts: int | None = None  # the first N prompts
+    peer: bool = True  # also run transformers' generate
+    invariant: bool = True
+    compile: bool = True  # torch.compile the torch engine's forward on CUDA (set-up: warm-up, not timed)
+
+    @property
+    def engine_k_max(self) -> int:
+        return self.k_max if self.k_max is not None else max(self.ks, default=0)
+
+
+@dataclass(frozen=True)
+class Method:
+    engine: str  # torch | jax | transformers
+    k: int  # 0: plain decode
+
+    @property
+    def name(self) -> str:
+        if self.engine == PEER:
+            return "HF plain" if self.k == 0 else f"HF prompt lookup K={self.k}"
+        return f"{self.engine} plain" if self.k == 0 else f"{self.engine} n-gram K={self.k}"
+
+
+@dataclass
+class Run:
+    """One prompt's timed decode."""
+
+    tokens: list[int]
+    seconds: float
+    stats: SpecStats | None = None  # ours
+
+
+def parse_list(text: str, what: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise SpecdecError(f"{what}: expected a comma-separated list, got {text!r}")
+    return items
+
+
+def parse_ks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({int(k) for k in parse_list(text, "--k")}))
+    except ValueError:
+        raise SpecdecError(f"--k: expected comma-separated integers, got {text!r}") from None
+
+
+def check_settings(settings: BenchSettings) -> None:
+    from specdec.api import ENGINES
+
+    for engine in settings.engines:
+        if engine not in ENGINES:
+            raise SpecdecError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    if not settings.engines:
+        raise SpecdecError("no engine to benchmark")
+    if not settings.ks:
+        raise SpecdecError("--k: no draft length given")
+    k_max = settings.engine_k_max
+    if k_max < 1:
+        raise SpecdecError(f"--k-max must be >= 1, got {k_max}")
+    for k in settings.ks:
+        if not 1 <= k <= k_max:
+            raise SpecdecError(f"K={k} is outside 1..{k_max} (plain decoding, K=0, always runs; --k-max {k_max})")
+    if settings.max_new_tokens is not None and settings.max_new_tokens < 1:
+        raise SpecdecError(f"--max-new-tokens must be >= 1, got {settings.max_new_tokens}")
+    if settings.num_prompts is not None and settings.num_prompts < 1:
+        raise SpecdecError(f"--num-prompts must be >= 1, got {settings.num_prompts}")
+    if settings.prompts_file is not None and settings.dataset is not None:
+        raise SpecdecError("--prompts and --dataset: give one of them")
+    if settings.dataset is not None:
+        require("datasets", "--dataset")
+    if settings.peer:
+        require("transformers", "the transformers peer (--no-peer skips it)")
+
+
+def load_prompts(settings: BenchSettings) -> list[str]:
+    from specdec.cli import read_prompts
+
+    if settings.prompts_file is not None:
+        texts = read_prompts(settings.prompts_file)
+    elif settings.dataset is not None:
+        texts = dataset_prompts(settings.dataset, settings.field)
+    else:
+        with resources.as_file(resources.files("specdec") / "prompts" / "bench.jsonl") as path:
+            texts = read_prompts(path)
+    return texts[: settings.num_prompts]
+
+
+def dataset_prompts(spec: str, field: str | None) -> list[str]:
+    """Prompts from a local Hugging Face dataset: a directory written by `save_to_disk`, a directory of data
+    files, or one data file (.jsonl/.json, .csv, .parquet, .txt). Never a hub name: nothing is downloaded."""
+    path = Path(spec)
+    if not path.exists():
+        raise SpecdecError(f"{spec}: no such dataset file or directory (only local datasets are read)")
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    builders = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+    try:
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            data = datasets.load_from_disk(str(path))
+        elif path.is_dir():
+            data = datasets.load_dataset(str(path))
+        elif path.suffix in builders:
+            data = datasets.load_dataset(builders[path.suffix], data_files=str(path))
+        else:
+            raise SpecdecError(f"{spec}: unknown data file type (use {', '.join(builders)} or a dataset directory)")
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
+        raise SpecdecError(f"{spec}: cannot load the dataset ({str(e).splitlines()[0]})") from None
+    if isinstance(data, datasets.DatasetDict):  # the train split, else the first one
+        data = data["train"] if "train" in data else next(iter(data.values()))
+    columns = data.column_names
+    field = field or next((name for name in ("prompt", "text") if name in columns), "prompt")
+    if field not in columns:
+        raise SpecdecError(f"{spec}: no column {field!r} (columns: {', '.join(columns)}; choose one with --field)")
+    texts = [text for text in data[field] if isinstance(text, str) and text.strip()]
+    if not texts:
+        raise SpecdecError(f"{spec}: column {field!r} holds no non-empty strings")
+    return texts
+
+
+def run_bench(settings: BenchSettings) -> dict:
+    """Run every method on every prompt; -> the record (device, date, commit, settings, per-prompt and
+    aggregate results). Its "identical" is False when a speculative run of ours differs from plain decoding."""
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specdec.api import resolve_checkpoint
+    from specdec.evidence import git_commit, now_utc
+    from specdec.models.config import decode_width
+    from specdec.models.tokenizer import Tokenizer
+
+    check_settings(settings)
+    texts = load_prompts(settings)
+    on_cuda = torch.cuda.is_available()
+    max_new_tokens = settings.max_new_tokens or (128 if on_cuda else 32)
+    k_max = settings.engine_k_max
+    dtype = "bfloat16" if on_cuda else "float32"
+    path = resolve_checkpoint(settings.target)
+    tokenizer = Tokenizer.from_dir(path)
+    prompt_ids = [tokenizer.encode(text) for text in texts]
+    context = max(len(ids) for ids in prompt_ids) + max_new_tokens + 2 * decode_width(k_max)
+
+    engines = list(settings.engines) + [PEER] * settings.peer
+    configs = 1 + len(settings.ks)
+    runs: dict[Method, list[Run]] = {}
+    # JAX runs last: on a GPU it reserves most of the memory for itself.
+    order = sorted(engines, key=lambda e: e == "jax")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("loading", total=len(engines) * configs * (1 + len(texts)))
+        for engine in order:
+            def step(message: str, engine=engine) -> None:
+                bar.update(task, description=f"{engine}: {message}")
+
+            bar.update(task, description=f"{engine}: loading")
+            if engine == PEER:
+                decode = _transformers_decoder(path, dtype)
+            else:
+                decode = _our_decoder(path, engine, dtype, k_max, context, settings.invariant, settings.compile)
+            methods = [Method(engine, k) for k in (0, *settings.ks)]
+            for method in methods:
+                step(f"warm-up {method.name}")
+                decode(texts[0], prompt_ids[0], method.k, WARMUP_TOKENS)
+                bar.advance(task)
+            for i, (text, ids) in enumerate(zip(texts, prompt_ids)):
+                for method in methods:  # a prompt's methods back to back: drift in clocks hits them alike
+                    step(f"prompt {i + 1}/{len(texts)} · {method.name}")
+                    runs.setdefault(method, []).append(decode(text, ids, method.k, max_new_tokens))
+                    bar.advance(task)
+            del decode
+            gc.collect()
+            if on_cuda:
+                torch.cuda.empty_cache()  # leave the memory to the engine that runs next
+
+    results = _summarise(runs, engines, settings.ks)
+    return {
+        "device": torch.cuda.get_device_name() if on_cuda else "cpu",
+        "jax_device": _jax_device() if "jax" in engines else None,
+        "date": now_utc(),
+        "commit": git_commit(),
+        "settings": {
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
+            "target": str(settings.target or "embedded gemma-3-270m"), "checkpoint": str(path),
+            "k_max": k_max, "max_new_tokens": max_new_tokens, "dtype": dtype, "batch": 1,
+            "warmup_tokens": WARMUP_TOKENS, "versions": _versions(engines),
+        },
+        "prompts": [{"text": text, "tokens": len(ids)} for text, ids in zip(texts, prompt_ids)],
+        "identical": all(m["identical"] is not False for m in results if m["engine"] != PEER),
+        "methods": results,
+    }
+
+
+def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, invariant: bool, compile: bool):
+    """decode(text, ids, k, max_new_tokens) -> Run on one engine: plain (k = 0) and every K share it, so all
+    decode forwards have one width (what makes greedy speculative output the plain decode's)."""
+    import specdec
+
+    target = specdec.load(path, engine=engine, dtype=dtype, k_max=k_max, max_seq_len=context, invariant=invariant,
+                          compile=compile)
+
+    def decode(text: str, _ids: list[int], k: int, max_new_tokens: int) -> Run:
+        _, gen = specdec.generate(text, target, drafter="ngram" if k else "none", k=k,
+                                  max_new_tokens=max_new_tokens)
+        return Run(gen.tokens[0], gen.stats.wall_s, gen.stats)
+
+    return decode
+
+
+def _transformers_decoder(path: Path, dtype: str):
+    """decode(text, ids, k, max_new_tokens) -> Run with transformers' greedy `generate`, prompt lookup with
+    k draft tokens when k > 0, from the local checkpoint directory only."""
+    os.environ["HF_HUB_OFFLINE"] = "1"  # local files only, before huggingface_hub reads its settings
+    import time
+
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # generation-config notes, not results
+    transformers.logging.disable_progress_bar()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, dtype), local_files_only=True).to(device).eval()
+    except (OSError, ValueError) as e:
+        raise SpecdecError(f"{path}: transformers cannot load it ({str(e).splitlines()[0]}); --no-peer skips it") from None
+
+    def decode(_text: str, ids: list[int], k: int, max_new_tokens: int) -> Run:
+        inputs = torch.tensor([ids], device=device)
+        lookup = {"prompt_lookup_num_tokens": k} if k else {}
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=model.config.pad_token_id, **lookup)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return Run(out[0, len(ids):].tolist(), time.perf_counter() - start)
+
+    return decode
+
+
+def first_difference(reference: list[int], tokens: list[int]) -> int | None:
+    """The index of the first token where two outputs differ (a length difference counts), None if equal."""
+    if tokens == reference:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference), len(tokens)))
+
+
+def _summarise(runs: dict[Method, list[Run]], engines: list[str], ks: tuple[int, ...]) -> list[dict]:
+    """Per method: per-prompt results and their aggregate; speculative runs against the same engine's plain
+    decode (transformers' prompt lookup against transformers' plain generate, for information)."""
+
+    def tok_s(method: Method) -> float | None:
+        mine = runs.get(method)
+        return sum(len(r.tokens) for r in mine) / sum(r.seconds for r in mine) if mine else None
+
+    hf_plain = tok_s(Method(PEER, 0))
+    results = []
+    for engine in engines:
+        plain = runs[Method(engine, 0)]
+        for k in (0, *ks):
+            method = Method(engine, k)
+            mine = runs[method]
+            differences = [first_difference(p.tokens, r.tokens) for p, r in zip(plain, mine)] if k else None
+            stats = [r.stats for r in mine if r.stats is not None]
+            emitted, cycles = sum(s.emitted for s in stats), sum(s.cycles for s in stats)
+            accepted_at = [sum(s.accepted_at[i] for s in stats) for i in range(k)] if stats else []
+            drafted_at = [sum(s.drafted_at[i] for s in stats) for i in range(k)] if stats else []
+            ours_plain = tok_s(Method(engine, 0)) if engine != PEER else None
+            results.append({
+                "method": method.name, "engine": engine, "k": k,
+                "tokens": sum(len(r.tokens) for r in mine), "seconds": sum(r.seconds for r in mine),
+                "tok_s": tok_s(method),
+                "vs_our_plain": tok_s(method) / ours_plain if ours_plain else None,
+                "vs_hf_plain": tok_s(method) / hf_plain if hf_plain else None,
+                "tau": emitted / cycles if cycles else None,
+                "per_position_acceptance": [a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at)],
+                "identical": None if differences is None else all(d is None for d in differences),
+                "per_prompt": [
+                    {"tokens": len(r.tokens), "seconds": r.seconds, "tok_s": len(r.tokens) / r.seconds,
+                     "tau": r.stats.tau if r.stats is not None else None,
+                     "per_position_acceptance": r.stats.per_position_acceptance if r.stats is not None else None,
+                     "first_difference": differences[i] if differences else None}
+                    for i, r in enumerate(mine)
+                ],
+            })
+    return results
+
+
+def _versions(engines: list[str]) -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = {"torch": "torch", "jax": "jax", PEER: "transformers"}
+    found = {}
+    for engine in engines:
+        try:
+            found[names[engine]] = version(names[engine])
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def _jax_device() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
+def require(module: str, purpose: str) -> None:
+    """Fail with one line, before any long work, when an optional dependency is missing."""
+    from importlib.util import find_spec
+
+    if find_spec(module) is None:
+        raise SpecdecError(f"{purpose} needs {module} (pip install 'specdec[dev]')")
+
+
+def print_table(record: dict, console) -> None:
+    """Methods x (tok/s, ratios, tau, acceptance per draft position, the output against plain decoding)."""
+    from rich import box
+    from rich.table import Table
+
+    s = record["settings"]
+    table = Table(
+        box=box.SIMPLE_HEAD, pad_edge=False,
+        title=f"{record['device']} · {s['dtype']} · {len(record['prompts'])} prompts · {s['max_new_tokens']} new "
+              f"tokens · commit {record['commit']}",
+        caption="x plain: over the engine's plain decode · x HF: over HF's plain generate · acceptance: per "
+                "draft position · output: token by token against the engine's plain decode",
+    )
+    for header in ("method", "tok/s", "x plain", "x HF", "tau"):
+        table.add_column(header, no_wrap=True, justify="left" if header == "method" else "right")
+    table.add_column("acceptance", min_width=10)
+    table.add_column("output")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for m in record["methods"]:
+        if m["identical"] is None:
+            output = "reference"
+        elif m["identical"]:
+            output = "[green]identical[/green]"
+        else:
+            differing = sum(p["first_difference"] is not None for p in m["per_prompt"])
+            color = "yellow" if m["engine"] == PEER else "bold red"
+            output = f"[{color}]differs {differing}/{len(m['per_prompt'])}[/{color}]"
+        table.add_row(
+            m["method"], f"{m['tok_s']:.1f}", fmt(m["vs_our_plain"], ".2f"), fmt(m["vs_hf_plain"], ".2f"),
+            fmt(m["tau"], ".2f"), " ".join(f"{a:.2f}".lstrip("0") for a in m["per_position_acceptance"]), output,
+        )
+    console.print(table)
+
+
+def differences(record: dict, engines: tuple[str, ...] = ("torch", "jax")) -> list[str]:
+    """Each speculative method of these engines whose output differs from plain decoding, and where."""
+    found = []
+    for m in record["methods"]:
+        where = [f"prompt {i + 1} at token {p['first_difference']}" for i, p in enumerate(m["per_prompt"])
+                 if p["first_difference"] is not None]
+        if m["engine"] in engines and where:
+            found.append(f"{m['method']}: {', '.join(where)}")
+    return found
+
+
+def plot_bench(record: dict, path: Path) -> None:
+    """tok/s against K: per engine its n-gram runs and its plain decode; transformers' prompt lookup and plain
+    generate beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = record["settings"]["ks"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, engine in enumerate(dict.fromkeys(m["engine"] for m in record["methods"])):
+        mine = {m["k"]: m for m in record["methods"] if m["engine"] == engine}
+        color = "black" if engine == PEER else f"C{i}"
+        ax.plot(ks, [mine[k]["tok_s"] for k in ks], "s--" if engine == PEER else "o-", color=color,
+                label=mine[ks[0]]["method"].rsplit(" K=", 1)[0])
+        ax.axhline(mine[0]["tok_s"], color=color, ls=":", label=mine[0]["method"])
+    s = record["settings"]
+    ax.set_xticks(ks)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("K (draft tokens per cycle)")
+    ax.set_ylabel(f"tokens / s (batch 1, {s['max_new_tokens']} new tokens)")
+    ax.set_title(f"{record['device']} · {s['dtype']} · {len(record['prompts'])} prompts · commit {record['commit']}",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,309 @@
+"""Continuous batching: one thread owns the batch-B engine and runs every request in flight together.
+
+Each iteration of the loop:
+  1. drops requests whose client went away, and admits waiting requests into free rows (`prefill_row`:
+     the other rows keep their state);
+  2. drafts per active row with the host n-gram proposer over the row's prompt + emitted tokens;
+  3. runs one `verify` of [pending, drafts] for all B rows (drafts padded to k, with per-row lengths);
+  4. accepts per row: greedy rows together, each sampled row with its own seeded random stream, so a
+     seeded request draws the same numbers whatever else shares the batch;
+  5. hands each request its new tokens (its stop condition applied), and commits the accepted tokens
+     + 1 of the rows that go on; free and finished rows ride along and commit nothing.
+
+Every row of every forward runs at one fixed shape (the engine's row-invariant decode width), so a
+request's tokens are those it gets alone in the same server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import numpy as np
+
+from specdec.drafters.ngram import ngram_propose
+from specdec.errors import SpecdecError
+from specdec.generate import SpecStats, StopCondition, _Ops
+from specdec.protocol import Draft, Verifier
+from specdec.sampling import SamplingParams
+
+log = logging.getLogger("specdec.serve")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How requests are drafted, as vLLM's `--speculative-config` says it: method "ngram" with
+    `num_speculative_tokens` (k) and `prompt_lookup_min`/`prompt_lookup_max` (n-gram sizes); no method
+    (or "none") is plain decoding, one token per verify."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    @classmethod
+    def from_json(cls, text: str | None) -> "SpeculativeConfig":
+        import json
+
+        if not text:
+            return cls()
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"--speculative-config is not JSON ({e}): {text!r}") from None
+        if not isinstance(fields, dict):
+            raise SpecdecError(f"--speculative-config must be a JSON object, got {text!r}")
+        unknown = set(fields) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise SpecdecError(f"--speculative-config: unknown keys {sorted(unknown)} (known: "
+                               f"{', '.join(cls.__dataclass_fields__)})")
+        method = fields.get("method")
+        if method in (None, "none"):
+            return cls()
+        if method != "ngram":
+            raise SpecdecError(f"--speculative-config: unknown method {method!r} (supported: ngram, none)")
+        config = cls(**fields)
+        sizes = (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        if not all(isinstance(n, int) for n in sizes) or config.num_speculative_tokens < 1:
+            raise SpecdecError("--speculative-config: ngram needs an integer num_speculative_tokens >= 1")
+        if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
+            raise SpecdecError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        return config
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens if self.method == "ngram" else 0
+
+
+@dataclass
+class Update:
+    """What one iteration gave a request: its newly kept tokens, and whether it is finished (or failed)."""
+
+    tokens: list[int]
+    finished: bool = False
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """One generation in the scheduler. `on_update` is called from the scheduler thread."""
+
+    prompt: list[int]
+    sampling: SamplingParams  # seed set: the request's own random stream
+    stop: StopCondition
+    on_update: Callable[[Update], None]
+    tokens: list[int] = field(default_factory=list)  # kept so far (stop token included)
+    cancelled: bool = False  # set by the client's side: the scheduler drops it at its next iteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Row:
+    """A request running in one row of the engine."""
+
+    def __init__(self, request: Request, ops: _Ops):
+        self.request = request
+        self.context = list(request.prompt)  # prompt + emitted tokens; the last one is pending
+        self.sampled = None if request.sampling.greedy else _SeededDraws(ops, request.sampling.seed)
+        # The rule's settings without the seed: JAX compiles the rule once per distinct settings.
+        self.sampling = replace(request.sampling, seed=None)
+
+
+class _SeededDraws:
+    """A request's own random stream for the sampled acceptance rule (a torch generator or JAX keys)."""
+
+    def __init__(self, ops: _Ops, seed: int):
+        self.ops = ops
+        if ops.jax:
+            import jax
+
+            self.key = jax.random.PRNGKey(seed)
+        else:
+            import torch
+
+            self.generator = torch.Generator(device=ops.device).manual_seed(seed)
+
+    def next(self):
+        if not self.ops.jax:
+            return self.generator
+        import jax
+
+        self.key, draw = jax.random.split(self.key)
+        return draw
+
+
+class Scheduler:
+    """Runs requests on a batch-B verifier with continuous batching (module docstring). `submit` from any
+    thread; `stats` (SpecStats over every row cycle) and the counters are read by the metrics."""
+
+    def __init__(self, engine: Verifier, speculative: SpeculativeConfig):
+        if speculative.k > engine.k_max:
+            raise SpecdecError(f"num_speculative_tokens={speculative.k} exceeds the engine's k_max {engine.k_max}")
+        self.engine = engine
+        self.speculative = speculative
+        self.k = speculative.k
+        self.ops = _Ops(engine, SamplingParams())  # greedy: conversions, accept_greedy, host transfers
+        self.rows: list[_Row | None] = [None] * engine.batch
+        self.waiting: deque[Request] = deque()
+        self.stats = SpecStats(k=self.k)
+        self.prompt_tokens = 0
+        self.steps = 0  # verify forwards of the whole batch
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
+
+    @property
+    def running(self) -> int:
+        return sum(row is not None for row in self.rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self._thread.join()
+
+    def submit(self, request: Request) -> None:
+        with self._wakeup:
+            self.waiting.append(request)
+            self._wakeup.notify()
+
+    def reset_stats(self) -> None:
+        """Count from zero (after the warm-up)."""
+        self.stats = SpecStats(k=self.k)
+        self.prompt_tokens = 0
+        self.steps = 0
+
+    def generate(self, prompt: list[int], sampling: SamplingParams, stop: StopCondition) -> list[int]:
+        """One request, waiting for it (warm-up)."""
+        done = threading.Event()
+        errors: list[str] = []
+
+        def on_update(update: Update) -> None:
+            if update.error:
+                errors.append(update.error)
+            if update.finished:
+                done.set()
+
+        request = Request(prompt, sampling, stop, on_update)
+        self.submit(request)
+        done.wait()
+        if errors:
+            raise SpecdecError(errors[0])
+        return request.tokens
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._stopping and not self.waiting and not self.running:
+                    self._wakeup.wait()
+                if self._stopping:
+                    return
+            self._drop_cancelled()
+            self._admit()
+            if not self.running:
+                continue
+            try:
+                self._step()
+            except Exception as e:  # a bug: fail the requests in flight, keep serving
+                log.exception("decoding step failed")
+                for b, row in enumerate(self.rows):
+                    if row is not None:
+                        row.request.on_update(Update([], finished=True, error=f"internal error: {e}"))
+                        self.rows[b] = None
+
+    def _drop_cancelled(self) -> None:
+        for b, row in enumerate(self.rows):
+            if row is not None and row.request.cancelled:
+                self.rows[b] = None
+
+    def _admit(self) -> None:
+        for b in range(len(self.rows)):
+            if self.rows[b] is not None:
+                continue
+            request = self._next_waiting()
+            if request is None:
+                return
+            try:
+                self.engine.prefill_row(b, request.prompt)
+            except Exception as e:  # the server checked the prompt: a bug, but only this request's
+                log.exception("prefill failed")
+                request.on_update(Update([], finished=True, error=f"prefill failed: {e}"))
+                continue
+            self.prompt_tokens += len(request.prompt)
+            self.rows[b] = _Row(request, self.ops)
+
+    def _next_waiting(self) -> Request | None:
+        with self._wakeup:
+            while self.waiting:
+                request = self.waiting.popleft()
+                if not request.cancelled:
+                    return request
+        return None
+
+    def _step(self) -> None:
+        ops, k, batch = self.ops, self.k, len(self.rows)
+        active = [b for b, row in enumerate(self.rows) if row is not None]
+        pending = np.zeros(batch, np.int64)
+        drafts = np.zeros((batch, k), np.int64)
+        draft_len = np.zeros(batch, np.int64)
+        for b in active:
+            context = self.rows[b].context
+            pending[b] = context[-1]
+            proposal = ngram_propose(context, k, self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
+            drafts[b, : len(proposal)] = proposal
+            draft_len[b] = len(proposal)
+        draft = ops.on_device(Draft(drafts, draft_len))
+        out = self.engine.verify(ops.tokens_with_pending(self._on_device(pending), draft))
+        num_accepted, next_token = ops.to_host(*self._accept(draft, out.logits, active))
+        self.steps += 1
+
+        commit = np.zeros(batch, np.int64)
+        for b in active:
+            row = self.rows[b]
+            request = row.request
+            emitted = drafts[b, : num_accepted[b]].tolist() + [int(next_token[b])]
+            row.context.extend(emitted)
+            kept, finished = request.stop.take(request.tokens, emitted)
+            request.tokens.extend(kept)
+            self.stats.record(int(draft_len[b]), int(num_accepted[b]), len(emitted), len(kept))
+            if finished:
+                self.rows[b] = None  # its cache stays as it is until the next request's prefill_row
+            else:
+                commit[b] = len(emitted)
+            request.on_update(Update(kept, finished))
+        self.engine.commit(self._on_device(commit))
+
+    def _accept(self, draft: Draft, logits, active: list[int]):
+        """(num_accepted [B], next_token [B]) on the device: the greedy rule over the whole batch, then each
+        sampled row again alone with its own random stream and settings."""
+        greedy = self.ops.accept_greedy(draft.tokens, draft.lengths, logits)
+        sampled = [b for b in active if self.rows[b].sampled is not None]
+        if not sampled:
+            return greedy
+        parts = [(greedy[0][b : b + 1], greedy[1][b : b + 1]) for b in range(len(self.rows))]
+        for b in sampled:
+            row = self.rows[b]
+            parts[b] = self.ops.accept_sampled(draft.tokens[b : b + 1], draft.lengths[b : b + 1], None,
+                                               logits[b : b + 1], row.sampling, row.sampled.next())
+        join = self.ops.xp.concatenate
+        return join([p[0] for p in parts]), join([p[1] for p in parts])
+
+    def _on_device(self, host: np.ndarray):
+        """Small host int arrays (pending tokens, commit counts) as the engine's arrays."""
+        xp = self.ops.xp
+        if self.ops.jax:
+            return xp.asarray(host, xp.int32)
+        return xp.as_tensor(host, dtype=xp.long, device=self.ops.device)

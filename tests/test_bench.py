@@ -1,0 +1,119 @@
+"""`specdec bench`: every method side by side on a tiny random checkpoint, a difference from plain decoding
+failing the run, prompts from local datasets, and bad input as one line on stderr with exit 1."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import specdec
+from specdec.bench import BenchSettings, load_prompts
+from specdec.cli import app
+from specdec.generate import Generation, SpecStats
+
+runner = CliRunner()
+PROMPTS = [
+    "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n",
+    "The river ran past the mill, and the mill wheel turned, and the river ran on past the",
+]
+
+
+def run(*args):
+    result = runner.invoke(app, ["bench", *map(str, args)])
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def test_both_engines_and_the_peer(ckpt, prompts_file, tmp_path):
+    out = tmp_path / "bench.json"
+    code, stdout, stderr = run("--target", ckpt, "--prompts", prompts_file, "--k", "2", "--max-new-tokens", "6",
+                               "--out", out)
+    assert code == 0, stderr
+    record = json.loads(out.read_text())
+    assert record["device"] == "cpu" and record["date"] and record["commit"]
+    settings = record["settings"]
+    assert settings["engines"] == ["torch", "jax"] and settings["ks"] == [2] and settings["max_new_tokens"] == 6
+    assert settings["dtype"] == "float32" and settings["peer"] and settings["invariant"]
+    assert [p["text"] for p in record["prompts"]] == PROMPTS
+    methods = {m["method"]: m for m in record["methods"]}
+    assert list(methods) == ["torch plain", "torch n-gram K=2", "jax plain", "jax n-gram K=2", "HF plain",
+                             "HF prompt lookup K=2"]
+    for m in methods.values():
+        assert len(m["per_prompt"]) == 2 and m["tokens"] == sum(p["tokens"] for p in m["per_prompt"]) > 0
+        assert m["tok_s"] == pytest.approx(m["tokens"] / m["seconds"]) and m["vs_hf_plain"] > 0
+    for engine in ("torch", "jax"):
+        assert methods[f"{engine} plain"]["vs_our_plain"] == 1.0
+        speculative = methods[f"{engine} n-gram K=2"]
+        assert speculative["identical"] is True and speculative["tau"] >= 1
+        assert len(speculative["per_position_acceptance"]) == 2
+    assert record["identical"] is True
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert "torch n-gram K=2" in stdout and "HF prompt lookup K=2" in stdout and "identical" in stdout
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    """specdec.load/generate stand-ins (no model): the speculative output differs from plain at token 2."""
+
+    class Loaded:
+        tokenizer = None
+
+    def generate(prompt, target, drafter, k, max_new_tokens):
+        stats = SpecStats(k=k, cycles=2, emitted=3, kept=3, decode_s=0.1)
+        return [prompt], Generation([[5, 6, 7] if k == 0 else [5, 6, 8]], stats)
+
+    monkeypatch.setattr(specdec, "load", lambda *args, **kwargs: Loaded())
+    monkeypatch.setattr(specdec, "generate", generate)
+
+
+def test_a_difference_from_plain_decoding_fails_loudly(fake_engine, prompts_file, tmp_path):
+    code, stdout, stderr = run("--engines", "torch", "--no-peer", "--k", "3", "--prompts", prompts_file,
+                               "--out", tmp_path / "bench.json")
+    assert code == 1
+    assert "BUG" in stderr and "torch n-gram K=3: prompt 1 at token 2, prompt 2 at token 2" in stderr
+    assert "differs 2/2" in stdout
+    assert json.loads((tmp_path / "bench.json").read_text())["identical"] is False
+
+
+def test_prompts_from_datasets(fake_engine, tmp_path):
+    import datasets
+
+    rows = [{"text": f"prompt number {i}", "label": i} for i in range(5)]
+    data_file = tmp_path / "data.jsonl"
+    data_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(rows).rename_column("text", "question").save_to_disk(str(saved))
+
+    assert load_prompts(BenchSettings(dataset=str(data_file), num_prompts=2)) == ["prompt number 0", "prompt number 1"]
+    assert load_prompts(BenchSettings(dataset=str(saved), field="question"))[-1] == "prompt number 4"
+    out = tmp_path / "bench.json"
+    code, _, stderr = run("--engines", "jax", "--no-peer", "--k", "2", "--dataset", saved, "--field", "question",
+                          "--num-prompts", "3", "--out", out, "--no-invariant")
+    assert code == 0, stderr
+    record = json.loads(out.read_text())
+    assert [p["text"] for p in record["prompts"]] == [f"prompt number {i}" for i in range(3)]
+    assert record["settings"]["dataset"] == str(saved) and record["settings"]["field"] == "question"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--engines", "torch,tpu"], "unknown engine 'tpu'"),
+    (["--k", "2,-1"], "K=-1"),
+    (["--k", "2,two"], "--k"),
+    (["--k", "4", "--k-max", "2"], "K=4 is outside 1..2"),
+    (["--prompts", "no-such-prompts.jsonl"], "no-such-prompts.jsonl"),
+    (["--dataset", "no-such-dataset"], "no-such-dataset"),
+    (["--dataset", "DATA", "--field", "question"], "no column 'question'"),
+])
+def test_bad_input(args, needle, tmp_path):
+    data_file = tmp_path / "data.jsonl"
+    data_file.write_text(json.dumps({"text": "hello"}) + "\n")
+    code, _, stderr = run(*[str(data_file) if a == "DATA" else a for a in args], "--out", tmp_path / "bench.json")
+    assert code == 1
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], stderr
