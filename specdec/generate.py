@@ -133,7 +133,6 @@ class _Ops:
             # Compiled once per shape: the rules run every cycle.
             self.accept_greedy = jax.jit(rule.accept_greedy)
             self.accept_sampled = jax.jit(rule.accept_sampled, static_argnames="params")
-            self.key = jax.random.PRNGKey(sampling.seed or 0)
         else:
             import torch
 
@@ -142,10 +141,19 @@ class _Ops:
             self.xp = torch
             self.accept_greedy, self.accept_sampled = rule.accept_greedy, rule.accept_sampled
             self.device = verifier.device
-            self.generator = None
-            if not sampling.greedy:
-                self.generator = torch.Generator(device=self.device)
-                self.generator.manual_seed(sampling.seed if sampling.seed is not None else 0)
+            self.generator = None if sampling.greedy else torch.Generator(device=self.device)
+        self.reseed()
+
+    def reseed(self) -> None:
+        """Start the sampled stream from the request's seed (None: 0), as the fused cycles do at each start:
+        a seeded generation draws the same numbers whatever ran on the cycle before it (a warm-up)."""
+        seed = self.sampling.seed or 0
+        if self.jax:
+            import jax
+
+            self.key = jax.random.PRNGKey(seed)
+        elif self.generator is not None:
+            self.generator.manual_seed(seed)
 
     def on_device(self, draft: Draft) -> Draft:
         """A host drafter's numpy arrays as the verifier's arrays."""
@@ -239,6 +247,7 @@ class HostCycle:
 
     def start(self, prompts: list[list[int]]) -> None:
         self.batch = len(prompts)
+        self.ops.reseed()
         self.pending = self.verifier.prefill(prompts)
         if self.drafter is not None:
             self.drafter.begin(prompts)

@@ -90,16 +90,13 @@ def test_bad_flags(ckpt, flags, needle):
     one_line_error(code, err, needle)
 
 
-def test_fused_flag_needs_a_fusable_setup(ckpt):
-    code, _, err = run("generate", "Hello", "--target", str(ckpt), "--fused", "--temperature", "0.7")
-    one_line_error(code, err, "--fused needs")
-
-
-def test_fused_cycle_from_the_cli(ckpt):
-    """On CPU the fused cycle runs eagerly: same text as the host loop."""
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.7", "--top-p", "0.9", "--seed", "3"]])
+def test_fused_cycle_from_the_cli(ckpt, sampling):
+    """On CPU the fused cycle runs eagerly: the host loop's text, greedy and (one seed) sampled alike."""
     outs = []
     for flag in ("--fused", "--no-fused"):
-        code, out, err = run("generate", "Hello Hello Hello", "--target", str(ckpt), "--max-new-tokens", "12", flag)
+        code, out, err = run("generate", "Hello Hello Hello", "--target", str(ckpt), "--max-new-tokens", "12", flag,
+                             *sampling)
         assert code == 0, err
         outs.append(out)
     assert outs[0] == outs[1]
