@@ -41,8 +41,14 @@ def load_params(path: str | Path, dtype=None) -> tuple[GemmaConfig, Params]:
     """Config and device arrays of a HF checkpoint directory, cast to `dtype` (default_dtype() if None).
     Tensors are read memory-mapped and cast on the device."""
     cfg, tensors = load_checkpoint(path, framework="numpy")
-    dtype = dtype or default_dtype()
-    return cfg, {name: jnp.asarray(t).astype(dtype) for name, t in tensors.items()}
+    # One transfer call for every tensor (they overlap) and one compiled cast, rather than a transfer and
+    # an eagerly dispatched cast per tensor.
+    return cfg, _cast_params(jax.device_put(tensors), jnp.dtype(dtype or default_dtype()))
+
+
+@partial(jax.jit, static_argnums=1)
+def _cast_params(params: Params, dtype) -> Params:
+    return {name: t.astype(dtype) for name, t in params.items()}
 
 
 def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16) -> Params:

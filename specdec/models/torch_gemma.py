@@ -38,8 +38,11 @@ def _gather_experts(num_tokens: int, top_k: int, num_experts: int) -> bool:
 
 
 def rope_tables(spec: RopeSpec, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [max_len, head_dim] in float32, indexed by absolute position."""
-    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * torch.tensor(rope_inv_freq(spec, head_dim))[None, :]
+    """cos, sin of shape [max_len, head_dim] in float32, indexed by absolute position. Computed on the CPU
+    whatever the default device (the meta device of from_checkpoint has no values to give, and its
+    arange would import torch's Python meta kernels and sympy: seconds of every cold start)."""
+    positions = torch.arange(max_len, dtype=torch.float32, device="cpu")
+    freqs = positions[:, None] * torch.tensor(rope_inv_freq(spec, head_dim), device="cpu")[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -317,6 +320,13 @@ class DecoderLayer(nn.Module):
         return x
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding left uninitialised (the checkpoint's weights replace it): on the meta device, where
+    from_checkpoint builds the model, nn.Embedding's own normal_ init would import torch's Python meta
+    kernels and sympy, seconds of every cold start."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class GemmaModel(nn.Module):
     """The text model; parameter names are the checkpoint's stripped HF names."""
 
@@ -324,14 +334,14 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        self.embed_tokens = _embedding(cfg.vocab_size, h)
         self.layers = nn.ModuleList([DecoderLayer(cfg, spec) for spec in cfg.layers])
         self.norm = RMSNorm(h, cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
         if cfg.has_per_layer_inputs:
             ple = cfg.num_layers * cfg.hidden_size_per_layer_input
-            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, ple)
+            self.embed_tokens_per_layer = _embedding(cfg.vocab_size_per_layer_input, ple)
             self.per_layer_model_projection = nn.Linear(h, ple, bias=False)
             self.per_layer_projection_norm = RMSNorm(cfg.hidden_size_per_layer_input, cfg)
         self.max_seq_len = max_seq_len
