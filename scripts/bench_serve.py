@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from specdec.cli import read_prompts
-from specdec.serve.bench import LoadSettings, print_table, run_load
+from specdec.serve.bench import LoadSettings, plot_load, print_table, run_load
 
 DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "identical_greedy.jsonl"
 
@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--out", type=Path, default=Path("serve-bench.json"))
+    parser.add_argument("--compare", type=Path, nargs="*", default=[],
+                        help="earlier --out files drawn beside this run in the PNG (written next to --out)")
     args = parser.parse_args()
 
     concurrencies = tuple(int(c) for c in args.concurrency.split(","))
@@ -61,7 +63,8 @@ def main() -> None:
             server.stop()
     print_table(record, Console())
     args.out.write_text(json.dumps(record, indent=1))
-    print(f"results in {args.out}")
+    plot_load([record] + [json.loads(path.read_text()) for path in args.compare], args.out.with_suffix(".png"))
+    print(f"results in {args.out}, plot in {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,9 @@ def test_models_and_health(served, client):
     server, url = served
     assert [m.id for m in client.models.list().data] == ["tiny-chat"]
     assert httpx.get(url + "/health").json() == {"status": "ok", "running": 0, "waiting": 0, "max_num_seqs": 4,
-                                                 "engine": "torch", "device": "cpu"}
+                                                 "engine": "torch", "device": "cpu",
+                                                 "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3}}
 
 
 def test_completion_whole_and_streamed(client):

@@ -14,7 +14,7 @@ import random
 import threading
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -287,7 +287,8 @@ def create_app(server: ModelServer) -> FastAPI:
     async def health():
         s = server.scheduler
         return {"status": "ok", "running": s.running, "waiting": s.num_waiting, "max_num_seqs": len(s.rows),
-                "engine": server.config.engine, "device": server.device}
+                "engine": server.config.engine, "device": server.device,
+                "speculative_config": asdict(server.config.speculative)}
 
     @app.get("/metrics")
     async def metrics():

@@ -50,6 +50,7 @@ def run_load(settings: LoadSettings, log=print) -> dict:
         log(f"concurrency {concurrency}: {level['requests_per_s']:.2f} req/s, {level['tokens_per_s']:,.0f} tok/s")
         levels.append(level)
     return {"device": health.get("device"), "engine": health.get("engine"), "max_num_seqs": health["max_num_seqs"],
+            "speculative_config": health.get("speculative_config"),
             "date": now_utc(), "commit": git_commit(), "model": model,
             "settings": {**asdict(settings), "prompts": len(settings.prompts)}, "levels": levels}
 
@@ -110,3 +111,38 @@ def print_table(record: dict, console) -> None:
                       f"{level['tokens_per_s']:,.0f}", f"{level['ttft_p50_s'] * 1e3:.0f}",
                       f"{level['latency_p50_s']:.2f}", tau)
     console.print(table)
+
+
+def describe(record: dict) -> str:
+    """A record's server in a few words: engine and drafting."""
+    spec = record.get("speculative_config") or {}
+    k = spec.get("num_speculative_tokens") if spec.get("method") == "ngram" else 0
+    return f"{record['engine']}, " + (f"n-gram k={k}" if k else "plain decoding")
+
+
+def plot_load(records: list[dict], path) -> None:
+    """Generated tokens/s and median request latency against concurrent clients, one line per record."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (tokens, latency) = plt.subplots(1, 2, figsize=(9, 3.8))
+    for record in records:
+        clients = [level["concurrency"] for level in record["levels"]]
+        tokens.plot(clients, [level["tokens_per_s"] for level in record["levels"]], "o-", label=describe(record))
+        latency.plot(clients, [level["latency_p50_s"] for level in record["levels"]], "o-", label=describe(record))
+    for ax, label in ((tokens, "generated tokens / s"), (latency, "request latency, median (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(clients, [str(c) for c in clients])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    tokens.legend(fontsize=8)
+    first = records[0]
+    fig.suptitle(f"specdec serve · {first['model']} · {first['device']} · {first['settings']['max_tokens']} tokens "
+                 f"per request · commit {first['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
