@@ -245,7 +245,8 @@ class HostCycle:
         self.verifier, self.drafter, self.k = verifier, drafter, k
         self.ops = _Ops(verifier, sampling)
 
-    def start(self, prompts: list[list[int]]) -> None:
+    def start(self, prompts: list[list[int]], stop: StopCondition | None = None) -> None:
+        """Prefill the prompts; the stop condition is for cycles that stop rows on the device (JAX's)."""
         self.batch = len(prompts)
         self.ops.reseed()
         self.pending = self.verifier.prefill(prompts)
@@ -285,7 +286,7 @@ def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
     rows: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
     start = time.perf_counter()
-    cycle.start(prompts)
+    cycle.start(prompts, stop)
     synchronize(cycle.verifier)
     stats.prefill_s = time.perf_counter() - start
     start = time.perf_counter()

@@ -17,7 +17,8 @@
   draft -> verify -> accept -> commit cycle, greedy or sampled (lossless rejection sampling, the PRNG key in
   the loop's state); with no drafter it is plain decoding (k = 0). A device-side drafter plugs in as
   `draft_fn(tokens, context_len) -> [B, k]` tokens and the loop stays on the device. `JaxFusedCycle` runs
-  one compiled `decode_step` per call for the host loop (specdec.generate.run_cycles), as torch's FusedCycle.
+  a few `decode_step`s per compiled call for the host loop (specdec.generate.run_cycles), as torch's
+  FusedCycle runs one per graph replay.
 - With a `mesh`, weights are split over its "tp" axis by attention head and MLP column (o_proj / down_proj
   by row, so XLA reduces after them) and the cache by KV head; XLA inserts the collectives.
 """
@@ -35,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specdec.acceptance.jax_rule import accept_greedy, accept_sampled
 from specdec.errors import SpecdecError
-from specdec.generate import CycleResult, check_context
+from specdec.generate import CycleResult, StopCondition, check_context
 from specdec.models.config import GemmaConfig, decode_width
 from specdec.models.jax_gemma import Cache, Params, forward, init_cache, load_params, reset_cache
 from specdec.protocol import VerifyOutput
@@ -255,15 +256,17 @@ class JaxEngine:
 
         return self._decode_fn("loop", loop, draft_fn, sampling)
 
-    def _step_fn(self, draft_fn: DraftFn | None = None, sampling: SamplingParams = SamplingParams()):
-        """One compiled decode_step (JaxFusedCycle)."""
+    def _steps_fn(self, cycles: int, draft_fn: DraftFn | None = None, sampling: SamplingParams = SamplingParams()):
+        """`cycles` decode_steps as one compiled call (a lax.scan), their StepResults stacked [cycles, ...]
+        (JaxFusedCycle)."""
 
-        def step(params, state, max_new_tokens, eos_ids):
-            return self.decode_step(params, state, max_new_tokens, eos_ids, draft_fn, sampling)
+        def steps(params, state, max_new_tokens, eos_ids):
+            step = lambda s, _: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn, sampling)  # noqa: E731
+            return jax.lax.scan(step, state, length=cycles)
 
-        return self._decode_fn("step", step, draft_fn, sampling)
+        return self._decode_fn(("steps", cycles), steps, draft_fn, sampling)
 
-    def _decode_fn(self, kind: str, fn, draft_fn: DraftFn | None, sampling: SamplingParams):
+    def _decode_fn(self, kind, fn, draft_fn: DraftFn | None, sampling: SamplingParams):
         """fn jitted (the state donated) once per kind, drafter settings and sampling filters; the seed only
         seeds the state's key, so requests of other seeds reuse the compiled program."""
         key = (kind, _draft_fn_key(draft_fn), dataclasses.replace(sampling, seed=None))
@@ -394,12 +397,10 @@ class JaxEngine:
     def decode_fused(self, state: DecodeState, max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None,
                      sampling: SamplingParams = SamplingParams()):
         """The whole decode loop as one compiled call; returns the final state without waiting for it."""
-        eos = np.full(-(-max(len(eos_ids), 1) // 8) * 8, -1, np.int32)  # padded to a multiple of 8: fewer recompiles
-        eos[: len(eos_ids)] = list(eos_ids)
         self.cache = None  # donated to the loop
         self.dispatches += 1
         loop = self._loop_fn(draft_fn, sampling)
-        state = loop(self.params, state, jax.device_put(np.int32(max_new_tokens)), jax.device_put(eos))
+        state = loop(self.params, state, *_stop_arrays(max_new_tokens, eos_ids))
         self.cache, self.lengths = state.cache, state.length
         return state
 
@@ -414,36 +415,59 @@ class JaxEngine:
         check_context(self, [prompt_ids], max_new_tokens)
 
 
+def _stop_arrays(max_new_tokens: int, eos_ids) -> tuple[jax.Array, jax.Array]:
+    """The device-side stop: the token budget and the EOS ids, padded with -1 (no token) to a multiple of 8
+    (fewer recompiles)."""
+    eos_ids = sorted(eos_ids)
+    eos = np.full(-(-max(len(eos_ids), 1) // 8) * 8, -1, np.int32)
+    eos[: len(eos_ids)] = eos_ids
+    return jax.device_put(np.int32(max_new_tokens)), jax.device_put(eos)
+
+
+CYCLES_PER_CALL = 8  # decode cycles per dispatch of JaxFusedCycle: fewer host round trips, text still streams
+
+
 class JaxFusedCycle:
-    """One cycle, draft (on the device) -> verify -> accept -> commit, as one compiled decode_step per call:
-    the host interface of torch's FusedCycle (`verifier`, `start`, `step`), so specdec.generate.run_cycles
-    drives either engine's fused cycle. EOS, stop strings and max tokens stay on the host: the step never
-    marks a row done, and every row emits its accepted drafts and next token each cycle, as FusedCycle's
-    rows do. One host sync per cycle.
+    """Cycles of draft (on the device) -> verify -> accept -> commit, `cycles_per_call` of them per compiled
+    call (a lax.scan of decode_step), with the host interface of torch's FusedCycle (`verifier`, `start`,
+    `step`): specdec.generate.run_cycles drives either engine's fused cycle, and `step` hands it one cycle's
+    results at a time. One dispatch and one host sync per `cycles_per_call` cycles: a cycle costs the device
+    time of its step, not a round trip (the whole-decode while_loop avoids even those, but streams nothing).
 
-    `draft_fn` proposes k tokens (a device drafter's function, specdec.protocol.DeviceDrafter); with k = 0
-    nothing is drafted (draft_fn may be None) and each cycle is one plain decode step. Sampled decoding draws
-    from a PRNG key seeded from `sampling.seed` (0 if None) at each `start`. The compiled step is the
-    engine's, shared by every cycle of equal drafter settings and sampling filters."""
+    The stop condition's EOS ids and token budget go to the device, which stops advancing a row once it is
+    done (as the while_loop does), so cycles run past a row's end write nothing beyond its context; stop
+    strings and the exact cut stay on the host. `draft_fn` proposes k tokens (a device drafter's function,
+    specdec.protocol.DeviceDrafter); with k = 0 nothing is drafted (draft_fn may be None) and each cycle is
+    one plain decode step. Sampled decoding draws from a PRNG key seeded from `sampling.seed` (0 if None) at
+    each `start`. The compiled program is the engine's, shared by every cycle of equal drafter settings,
+    sampling filters and cycles per call."""
 
-    def __init__(self, engine: JaxEngine, draft_fn: DraftFn | None, k: int, sampling: SamplingParams = SamplingParams()):
+    def __init__(self, engine: JaxEngine, draft_fn: DraftFn | None, k: int, sampling: SamplingParams = SamplingParams(),
+                 cycles_per_call: int = CYCLES_PER_CALL):
         if not 0 <= k <= engine.k_max:
             raise SpecdecError(f"k={k} is outside 0..{engine.k_max} (the engine's compiled maximum)")
         if k > 0 and draft_fn is None:
             raise SpecdecError(f"k={k} drafts need a draft function")
+        if cycles_per_call < 1:
+            raise SpecdecError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
         self.verifier, self.k, self.sampling = engine, k, sampling
-        self._step = engine._step_fn(draft_fn if k > 0 else None, sampling)
-        # No device-side stop: a max beyond any context and no EOS (-1 is no token).
-        self._no_stop = (jax.device_put(np.int32(np.iinfo(np.int32).max)), jax.device_put(np.full(8, -1, np.int32)))
+        self._steps = engine._steps_fn(cycles_per_call, draft_fn if k > 0 else None, sampling)
         self.state: DecodeState | None = None
+        self._stop: tuple[jax.Array, jax.Array] | None = None
+        self._ready: list[CycleResult] = []  # cycles run on the device, not yet handed out
 
-    def start(self, prompts: list[list[int]]) -> None:
+    def start(self, prompts: list[list[int]], stop: StopCondition) -> None:
         self.state = self.verifier._start_decode(prompts, self.sampling)
+        self._stop = _stop_arrays(stop.max_new_tokens, stop.eos_ids)
+        self._ready = []
 
     def step(self) -> CycleResult:
-        engine = self.verifier
-        engine.cache = None  # donated to the step
-        engine.dispatches += 1
-        self.state, result = self._step(engine.params, self.state, *self._no_stop)
-        engine.cache, engine.lengths = self.state.cache, self.state.length
-        return CycleResult(*(np.asarray(a) for a in jax.device_get(tuple(result))))
+        if not self._ready:
+            engine = self.verifier
+            engine.cache = None  # donated to the call
+            engine.dispatches += 1
+            self.state, results = self._steps(engine.params, self.state, *self._stop)
+            engine.cache, engine.lengths = self.state.cache, self.state.length
+            stacked = [np.asarray(a) for a in jax.device_get(tuple(results))]
+            self._ready = [CycleResult(*(a[i] for a in stacked)) for i in reversed(range(len(stacked[0])))]
+        return self._ready.pop()

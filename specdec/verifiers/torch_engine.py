@@ -228,7 +228,8 @@ class FusedCycle:
         self.generator = None if sampling.greedy else torch.Generator(device=engine.device)
         self._graph: tuple[torch.cuda.CUDAGraph, tuple] | None = None
 
-    def start(self, prompts: list[list[int]]) -> None:
+    def start(self, prompts: list[list[int]], stop=None) -> None:
+        """Prefill the prompts and seed the sampler; rows stop on the host (`stop` is for JAX's cycle)."""
         self.verifier.prefill(prompts)
         self.buffer.zero_()
         for b, prompt in enumerate(prompts):

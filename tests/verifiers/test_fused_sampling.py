@@ -3,6 +3,7 @@ tokens as the host loop for a seed, seeds that reproduce and differ, filters tha
 end-to-end sampling gate, greedy unchanged; on CUDA, the sampled cycle captured as a graph."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 
@@ -103,14 +104,33 @@ def test_jax_cycles_of_equal_settings_share_one_compiled_step(engines):
     compiles again."""
     engine = engines["jax"]
     first, second = fused(engine, K, SamplingParams(0.8, seed=1)), fused(engine, K, SamplingParams(0.8, seed=2))
-    assert first._step is second._step
-    assert fused(engine, K, SamplingParams(0.9))._step is not first._step
+    assert first._steps is second._steps
+    assert fused(engine, K, SamplingParams(0.9))._steps is not first._steps
     loop = engine._loop_fn(NgramDrafter().device_draft_fn("jax", K), SamplingParams(0.8, seed=1))
     assert engine._loop_fn(NgramDrafter().device_draft_fn("jax", K), SamplingParams(0.8, seed=2)) is loop
     decode(first, K, 8)
     decode(second, K, 8)
-    assert first._step._cache_size() == 1  # traced once
+    assert first._steps._cache_size() == 1  # traced once
 
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED])
+def test_jax_cycles_per_call_change_nothing_but_dispatches(engines, sampling):
+    """Eight cycles per compiled call emit what one per call emits; the device stops each row at its token
+    budget, so the cycles run after a row's end commit nothing (13 tokens: a call and 5 of the next 8)."""
+    engine = engines["jax"]
+    runs, dispatches = {}, {}
+    for cycles in (1, 8):
+        cycle = JaxFusedCycle(engine, None, 0, sampling, cycles_per_call=cycles)
+        before = engine.dispatches
+        runs[cycles] = decode(cycle, 0, 13).tokens
+        dispatches[cycles] = engine.dispatches - before  # the prefill's, then the cycles'
+        assert np.asarray(engine.lengths).tolist() == [len(p) - 1 + 13 for p in PROMPTS]
+    assert dispatches[1] - dispatches[8] == 13 - 2
+    assert runs[8] == runs[1] and all(len(t) == 13 for t in runs[1])
+    k_runs = [decode(JaxFusedCycle(engine, NgramDrafter().device_draft_fn("jax", K), K, sampling, cycles), K).tokens
+              for cycles in (1, 8)]
+    assert k_runs[0] == k_runs[1]
 
 def test_jax_fused_loop_samples_like_the_fused_cycle(random_checkpoints):
     """generate_fused (one while_loop) and JaxFusedCycle (one dispatch per cycle) run the same decode_step
