@@ -112,8 +112,8 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
 
 def make_cycle(target: Target, drafter: str, k: int, sampling: SamplingParams, fused: bool | None = None):
     """The cycle a generation runs, greedy or sampled. Fused (the default where it pays): the drafter runs
-    on the device and the whole draft -> verify -> accept cycle is one CUDA graph replay (torch on CUDA)
-    or one compiled step (JAX); plain decoding is the same cycle with k = 0. Otherwise driven from the host
+    on the device and the whole draft -> verify -> accept cycle is one CUDA graph replay (torch on CUDA),
+    or 8 cycles are one compiled call (JAX); plain decoding is the same cycle with k = 0. Otherwise driven from the host
     (torch on the CPU, where there are no graphs to replay)."""
     if not 0 <= k <= target.engine.k_max:
         raise SpecdecError(f"k={k} is outside 0..{target.engine.k_max} (the engine's captured maximum)")

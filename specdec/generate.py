@@ -141,19 +141,7 @@ class _Ops:
             self.xp = torch
             self.accept_greedy, self.accept_sampled = rule.accept_greedy, rule.accept_sampled
             self.device = verifier.device
-            self.generator = None if sampling.greedy else torch.Generator(device=self.device)
-        self.reseed()
-
-    def reseed(self) -> None:
-        """Start the sampled stream from the request's seed (None: 0), as the fused cycles do at each start:
-        a seeded generation draws the same numbers whatever ran on the cycle before it (a warm-up)."""
-        seed = self.sampling.seed or 0
-        if self.jax:
-            import jax
-
-            self.key = jax.random.PRNGKey(seed)
-        elif self.generator is not None:
-            self.generator.manual_seed(seed)
+        self.randomness = None if sampling.greedy else RandomStream(self, sampling.seed)
 
     def on_device(self, draft: Draft) -> Draft:
         """A host drafter's numpy arrays as the verifier's arrays."""
@@ -171,15 +159,10 @@ class _Ops:
         return self.xp.cat([pending[:, None], draft.tokens], dim=1)
 
     def accept(self, draft: Draft, logits):
-        if self.sampling.greedy:
+        if self.randomness is None:
             return self.accept_greedy(draft.tokens, draft.lengths, logits)
-        if self.jax:
-            import jax
-
-            self.key, randomness = jax.random.split(self.key)
-        else:
-            randomness = self.generator
-        return self.accept_sampled(draft.tokens, draft.lengths, draft.probs, logits, self.sampling, randomness)
+        return self.accept_sampled(draft.tokens, draft.lengths, draft.probs, logits, self.sampling,
+                                   self.randomness.next())
 
     def empty_draft(self, batch: int) -> Draft:
         if self.jax:
@@ -196,6 +179,38 @@ class _Ops:
         flat = self.xp.cat([a.reshape(a.shape[0], -1).long() for a in arrays], dim=1).cpu().numpy()
         widths = np.cumsum([int(np.prod(a.shape[1:])) for a in arrays])[:-1]
         return [part.reshape(a.shape) for part, a in zip(np.split(flat, widths, axis=1), arrays)]
+
+
+class RandomStream:
+    """The randomness of one sampled generation for the acceptance rule: a torch generator (handed to each
+    draw) or a JAX key (split for each draw), seeded from the request's seed (None: 0). `reseed` starts it
+    over, as the fused cycles do at each start: a seeded generation draws the same numbers whatever ran
+    before it (a warm-up, other requests)."""
+
+    def __init__(self, ops: _Ops, seed: int | None):
+        self.jax, self.seed = ops.jax, seed or 0
+        if not self.jax:
+            import torch
+
+            self.generator = torch.Generator(device=ops.device)
+        self.reseed()
+
+    def reseed(self) -> None:
+        if self.jax:
+            import jax
+
+            self.key = jax.random.PRNGKey(self.seed)
+        else:
+            self.generator.manual_seed(self.seed)
+
+    def next(self):
+        """What the framework's accept_sampled takes for one draw."""
+        if not self.jax:
+            return self.generator
+        import jax
+
+        self.key, draw = jax.random.split(self.key)
+        return draw
 
 
 class StopCondition:
@@ -248,7 +263,8 @@ class HostCycle:
     def start(self, prompts: list[list[int]], stop: StopCondition | None = None) -> None:
         """Prefill the prompts; the stop condition is for cycles that stop rows on the device (JAX's)."""
         self.batch = len(prompts)
-        self.ops.reseed()
+        if self.ops.randomness is not None:
+            self.ops.randomness.reseed()
         self.pending = self.verifier.prefill(prompts)
         if self.drafter is not None:
             self.drafter.begin(prompts)

@@ -26,7 +26,7 @@ import numpy as np
 
 from specdec.drafters.ngram import ngram_propose
 from specdec.errors import SpecdecError
-from specdec.generate import SpecStats, StopCondition, _Ops
+from specdec.generate import RandomStream, SpecStats, StopCondition, _Ops
 from specdec.protocol import Draft, Verifier
 from specdec.sampling import SamplingParams
 
@@ -108,32 +108,9 @@ class _Row:
     def __init__(self, request: Request, ops: _Ops):
         self.request = request
         self.context = list(request.prompt)  # prompt + emitted tokens; the last one is pending
-        self.sampled = None if request.sampling.greedy else _SeededDraws(ops, request.sampling.seed)
+        self.sampled = None if request.sampling.greedy else RandomStream(ops, request.sampling.seed)
         # The rule's settings without the seed: JAX compiles the rule once per distinct settings.
         self.sampling = replace(request.sampling, seed=None)
-
-
-class _SeededDraws:
-    """A request's own random stream for the sampled acceptance rule (a torch generator or JAX keys)."""
-
-    def __init__(self, ops: _Ops, seed: int):
-        self.ops = ops
-        if ops.jax:
-            import jax
-
-            self.key = jax.random.PRNGKey(seed)
-        else:
-            import torch
-
-            self.generator = torch.Generator(device=ops.device).manual_seed(seed)
-
-    def next(self):
-        if not self.ops.jax:
-            return self.generator
-        import jax
-
-        self.key, draw = jax.random.split(self.key)
-        return draw
 
 
 class Scheduler:
