@@ -15,7 +15,7 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
 
 ENGINES = ("torch", "jax")
-DRAFTERS = ("ngram", "none")
+DRAFTERS = ("ngram", "none", "eagle3=DIR")
 
 
 @dataclass
@@ -117,7 +117,7 @@ def make_cycle(target: Target, drafter: str, k: int, sampling: SamplingParams, f
     (torch on the CPU, where there are no graphs to replay)."""
     if not 0 <= k <= target.engine.k_max:
         raise SpecdecError(f"k={k} is outside 0..{target.engine.k_max} (the engine's captured maximum)")
-    draft = make_drafter(drafter) if k > 0 else None
+    draft = make_drafter(drafter, target, k, sampling) if k > 0 else None
     k = k if draft is not None else 0
     if fused is None:
         fused = target.engine_name == "jax" or target.engine.use_graphs
@@ -144,11 +144,46 @@ def warm_up(cycle, prompts: list[list[int]], k: int, engine_name: str = "torch")
     return time.perf_counter() - start, report
 
 
-def make_drafter(name: str, min_ngram: int = 1, max_ngram: int = 3):
-    if name not in DRAFTERS:
-        raise SpecdecError(f"unknown drafter {name!r} (choose from {', '.join(DRAFTERS)})")
-    if name == "none":
+def parse_drafter(spec: str) -> tuple[str, Path | None]:
+    """"ngram", "none" or "eagle3=DIR" -> (kind, the head's directory)."""
+    kind, _, path = spec.partition("=")
+    if kind == "eagle3":
+        if not path:
+            raise SpecdecError("--drafter eagle3 needs the head's directory: eagle3=DIR")
+        return kind, Path(path)
+    if spec not in DRAFTERS:
+        raise SpecdecError(f"unknown drafter {spec!r} (choose from {', '.join(DRAFTERS)})")
+    return kind, None
+
+
+def drafter_taps(spec: str) -> tuple[int, ...]:
+    """The target layers whose hidden states the drafter reads (load the target with them)."""
+    kind, path = parse_drafter(spec)
+    if kind != "eagle3":
+        return ()
+    from specdec.drafters.eagle3 import load_head
+
+    return load_head(path).cfg.taps
+
+
+def make_drafter(spec: str, target: Target | None = None, k: int = 0, sampling: SamplingParams = SamplingParams(),
+                 min_ngram: int = 1, max_ngram: int = 3):
+    """The drafter a spec names; an EAGLE-3 head is checked against the target (whose engine must return the
+    head's taps, see drafter_taps) and built for its engine, k and sampling."""
+    kind, path = parse_drafter(spec)
+    if kind == "none":
         return None
+    if kind == "eagle3":
+        if target is None:
+            raise SpecdecError("an EAGLE-3 drafter needs its target")
+        from specdec.drafters.eagle3 import Eagle3Drafter, load_for_target
+        from specdec.models.checkpoint import checkpoint_fingerprint
+
+        head = load_for_target(path, target.config, checkpoint_fingerprint(target.path))
+        if tuple(target.engine.hidden_layers) != head.cfg.taps:
+            raise SpecdecError(f"{path}: the target was loaded without the head's hidden layers {list(head.cfg.taps)}"
+                               " (load it with hidden_layers=specdec.api.drafter_taps(spec))")
+        return Eagle3Drafter(head, target.engine, k, sampling)
     from specdec.drafters.ngram import NgramDrafter
 
     return NgramDrafter(min_ngram=min_ngram, max_ngram=max_ngram)
@@ -175,7 +210,7 @@ def generate(
     apart."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not isinstance(target, Target):
-        target = load(target, batch=len(prompts), k_max=max(k, 0))
+        target = load(target, batch=len(prompts), k_max=max(k, 0), hidden_layers=drafter_taps(drafter))
     tok = target.tokenizer
     if chat:
         if not tok.has_chat_template:

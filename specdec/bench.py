@@ -1,4 +1,4 @@
-"""`specdec bench`: our plain and n-gram speculative decoding, on both engines, side by side with Hugging
+"""`specdec bench`: our plain, n-gram and (given a head) EAGLE-3 speculative decoding, on both engines, side by side with Hugging
 Face transformers' `generate` (plain and prompt lookup) on the same prompts, device and dtype, in one run.
 
 Ours runs through the public API (`specdec.load`, `specdec.generate`), so the numbers are what users get.
@@ -39,6 +39,11 @@ class BenchSettings:
     peer: bool = True  # also run transformers' generate
     invariant: bool = True
     compile: bool = True  # torch.compile the torch engine's forward on CUDA (set-up: warm-up, not timed)
+    eagle3: Path | None = None  # an EAGLE-3 head: its runs at each K beside n-gram's
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        return ("ngram",) + (("eagle3",) if self.eagle3 is not None else ())
 
     @property
     def engine_k_max(self) -> int:
@@ -49,12 +54,20 @@ class BenchSettings:
 class Method:
     engine: str  # torch | jax | transformers
     k: int  # 0: plain decode
+    drafter: str = "ngram"  # ngram | eagle3 (transformers: prompt lookup)
 
     @property
     def name(self) -> str:
         if self.engine == PEER:
             return "HF plain" if self.k == 0 else f"HF prompt lookup K={self.k}"
-        return f"{self.engine} plain" if self.k == 0 else f"{self.engine} n-gram K={self.k}"
+        label = {"ngram": "n-gram", "eagle3": "EAGLE-3"}[self.drafter]
+        return f"{self.engine} plain" if self.k == 0 else f"{self.engine} {label} K={self.k}"
+
+
+def engine_methods(engine: str, settings: BenchSettings) -> list[Method]:
+    """Plain decoding, then each drafter at each K (transformers: prompt lookup only)."""
+    drafters = ("ngram",) if engine == PEER else settings.drafters
+    return [Method(engine, 0)] + [Method(engine, k, d) for d in drafters for k in settings.ks]
 
 
 @dataclass
@@ -180,13 +193,12 @@ def run_bench(settings: BenchSettings) -> dict:
     context = max(len(ids) for ids in prompt_ids) + max_new_tokens + 2 * decode_width(k_max)
 
     engines = list(settings.engines) + [PEER] * settings.peer
-    configs = 1 + len(settings.ks)
     runs: dict[Method, list[Run]] = {}
     # JAX runs last: on a GPU it reserves most of the memory for itself.
     order = sorted(engines, key=lambda e: e == "jax")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("loading", total=len(engines) * configs * (1 + len(texts)))
+        task = bar.add_task("loading", total=sum(len(engine_methods(e, settings)) for e in engines) * (1 + len(texts)))
         for engine in order:
             def step(message: str, engine=engine) -> None:
                 bar.update(task, description=f"{engine}: {message}")
@@ -195,23 +207,24 @@ def run_bench(settings: BenchSettings) -> dict:
             if engine == PEER:
                 decode = _transformers_decoder(path, dtype)
             else:
-                decode = _our_decoder(path, engine, dtype, k_max, context, settings.invariant, settings.compile)
-            methods = [Method(engine, k) for k in (0, *settings.ks)]
+                decode = _our_decoder(path, engine, dtype, k_max, context, settings.invariant, settings.compile,
+                                      settings.eagle3)
+            methods = engine_methods(engine, settings)
             for method in methods:
                 step(f"warm-up {method.name}")
-                decode(texts[0], prompt_ids[0], method.k, WARMUP_TOKENS)
+                decode(texts[0], prompt_ids[0], method, WARMUP_TOKENS)
                 bar.advance(task)
             for i, (text, ids) in enumerate(zip(texts, prompt_ids)):
                 for method in methods:  # a prompt's methods back to back: drift in clocks hits them alike
                     step(f"prompt {i + 1}/{len(texts)} · {method.name}")
-                    runs.setdefault(method, []).append(decode(text, ids, method.k, max_new_tokens))
+                    runs.setdefault(method, []).append(decode(text, ids, method, max_new_tokens))
                     bar.advance(task)
             del decode
             gc.collect()
             if on_cuda:
                 torch.cuda.empty_cache()  # leave the memory to the engine that runs next
 
-    results = _summarise(runs, engines, settings.ks)
+    results = _summarise(runs, engines, settings)
     return {
         "device": torch.cuda.get_device_name() if on_cuda else "cpu",
         "jax_device": _jax_device() if "jax" in engines else None,
@@ -229,16 +242,20 @@ def run_bench(settings: BenchSettings) -> dict:
     }
 
 
-def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, invariant: bool, compile: bool):
-    """decode(text, ids, k, max_new_tokens) -> Run on one engine: plain (k = 0) and every K share it, so all
-    decode forwards have one width (what makes greedy speculative output the plain decode's)."""
+def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, invariant: bool, compile: bool,
+                 eagle3: Path | None = None):
+    """decode(text, ids, method, max_new_tokens) -> Run on one engine: plain (k = 0) and every drafter and K
+    share it, so all decode forwards have one width (what makes greedy speculative output the plain
+    decode's). With an EAGLE-3 head every forward also returns the head's taps, plain decoding's too."""
     import specdec
+    from specdec.api import drafter_taps
 
+    spec = {"ngram": "ngram", "eagle3": f"eagle3={eagle3}"}
     target = specdec.load(path, engine=engine, dtype=dtype, k_max=k_max, max_seq_len=context, invariant=invariant,
-                          compile=compile)
+                          compile=compile, hidden_layers=drafter_taps(spec["eagle3"]) if eagle3 else ())
 
-    def decode(text: str, _ids: list[int], k: int, max_new_tokens: int) -> Run:
-        _, gen = specdec.generate(text, target, drafter="ngram" if k else "none", k=k,
+    def decode(text: str, _ids: list[int], method: Method, max_new_tokens: int) -> Run:
+        _, gen = specdec.generate(text, target, drafter=spec[method.drafter] if method.k else "none", k=method.k,
                                   max_new_tokens=max_new_tokens)
         return Run(gen.tokens[0], gen.stats.wall_s, gen.stats)
 
@@ -263,7 +280,8 @@ def _transformers_decoder(path: Path, dtype: str):
     except (OSError, ValueError) as e:
         raise SpecdecError(f"{path}: transformers cannot load it ({str(e).splitlines()[0]}); --no-peer skips it") from None
 
-    def decode(_text: str, ids: list[int], k: int, max_new_tokens: int) -> Run:
+    def decode(_text: str, ids: list[int], method: Method, max_new_tokens: int) -> Run:
+        k = method.k
         inputs = torch.tensor([ids], device=device)
         lookup = {"prompt_lookup_num_tokens": k} if k else {}
         if device == "cuda":
@@ -286,7 +304,7 @@ def first_difference(reference: list[int], tokens: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference), len(tokens)))
 
 
-def _summarise(runs: dict[Method, list[Run]], engines: list[str], ks: tuple[int, ...]) -> list[dict]:
+def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: BenchSettings) -> list[dict]:
     """Per method: per-prompt results and their aggregate; speculative runs against the same engine's plain
     decode (transformers' prompt lookup against transformers' plain generate, for information)."""
 
@@ -298,9 +316,8 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], ks: tuple[int,
     results = []
     for engine in engines:
         plain = runs[Method(engine, 0)]
-        for k in (0, *ks):
-            method = Method(engine, k)
-            mine = runs[method]
+        for method in engine_methods(engine, settings):
+            k, mine = method.k, runs[method]
             differences = [first_difference(p.tokens, r.tokens) for p, r in zip(plain, mine)] if k else None
             stats = [r.stats for r in mine if r.stats is not None]
             emitted, cycles = sum(s.emitted for s in stats), sum(s.cycles for s in stats)
@@ -308,7 +325,7 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], ks: tuple[int,
             drafted_at = [sum(s.drafted_at[i] for s in stats) for i in range(k)] if stats else []
             ours_plain = tok_s(Method(engine, 0)) if engine != PEER else None
             results.append({
-                "method": method.name, "engine": engine, "k": k,
+                "method": method.name, "engine": engine, "drafter": method.drafter if k else None, "k": k,
                 "tokens": sum(len(r.tokens) for r in mine), "seconds": sum(r.seconds for r in mine),
                 "tok_s": tok_s(method),
                 "vs_our_plain": tok_s(method) / ours_plain if ours_plain else None,
@@ -400,8 +417,8 @@ def differences(record: dict, engines: tuple[str, ...] = ("torch", "jax")) -> li
 
 
 def plot_bench(record: dict, path: Path) -> None:
-    """tok/s against K: per engine its n-gram runs and its plain decode; transformers' prompt lookup and plain
-    generate beside them."""
+    """tok/s against K: per engine its drafters' runs and its plain decode; transformers' prompt lookup and
+    plain generate beside them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -410,11 +427,14 @@ def plot_bench(record: dict, path: Path) -> None:
     ks = record["settings"]["ks"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, engine in enumerate(dict.fromkeys(m["engine"] for m in record["methods"])):
-        mine = {m["k"]: m for m in record["methods"] if m["engine"] == engine}
         color = "black" if engine == PEER else f"C{i}"
-        ax.plot(ks, [mine[k]["tok_s"] for k in ks], "s--" if engine == PEER else "o-", color=color,
-                label=mine[ks[0]]["method"].rsplit(" K=", 1)[0])
-        ax.axhline(mine[0]["tok_s"], color=color, ls=":", label=mine[0]["method"])
+        plain = next(m for m in record["methods"] if m["engine"] == engine and m["k"] == 0)
+        for drafter, style in (("ngram", "o-"), ("eagle3", "^-")):
+            mine = {m["k"]: m for m in record["methods"] if m["engine"] == engine and m.get("drafter") == drafter}
+            if mine:
+                ax.plot(ks, [mine[k]["tok_s"] for k in ks], "s--" if engine == PEER else style, color=color,
+                        label=mine[ks[0]]["method"].rsplit(" K=", 1)[0])
+        ax.axhline(plain["tok_s"], color=color, ls=":", label=plain["method"])
     s = record["settings"]
     ax.set_xticks(ks)
     ax.set_ylim(bottom=0)

@@ -409,14 +409,15 @@ def gate_k0(eut: EngineUnderTest, prompt: list[int], n_tokens: int) -> GateResul
 
 def gate_greedy(eut: EngineUnderTest, prompt: list[int], n_tokens: int, ks=range(1, 9), drafter_factory=None) -> list[GateResult]:
     """Greedy speculative decode with K = 1..8 emits exactly the plain decode's tokens. Any divergence
-    fails, whatever the target's margin there (reported, with where it happened, for diagnosis)."""
+    fails, whatever the target's margin there (reported, with where it happened, for diagnosis).
+    `drafter_factory(verifier, k)` makes the drafter (default: n-gram)."""
     from specdec.drafters.ngram import NgramDrafter
     from specdec.generate import StopCondition, speculative_generate
 
     plain = eut.plain_decode(eut.make(), prompt, n_tokens)
     results = []
     for k in ks:
-        drafter = drafter_factory() if drafter_factory else NgramDrafter()
+        drafter = drafter_factory(eut.make(), k) if drafter_factory else NgramDrafter()
         gen = speculative_generate(eut.make(), drafter, [prompt], k, StopCondition(n_tokens))
         spec = gen.tokens[0]
         detail = {"engine": eut.name, "k": k, "tokens": len(spec), "tau": gen.stats.tau,
@@ -498,15 +499,17 @@ def gate_sampled_speculation(cycle, prompt: list[int], k: int, params: SamplingP
     return GateResult(f"sampled_speculation/{name}", p_value > P_VALUE_THRESHOLD, detail)
 
 
-def torch_engines(model, graphs: bool | None = None, k_max: int = 8, invariant: bool = True) -> list[EngineUnderTest]:
-    """The PyTorch engine eager, and graphed too on CUDA."""
+def torch_engines(model, graphs: bool | None = None, k_max: int = 8, invariant: bool = True,
+                  hidden_layers: tuple[int, ...] = ()) -> list[EngineUnderTest]:
+    """The PyTorch engine eager, and graphed too on CUDA (returning `hidden_layers` for a drafter that reads them)."""
     from specdec.verifiers.torch_engine import TorchEngine
 
     modes = [False, True] if (graphs is None and model.embed_tokens.weight.is_cuda) else [bool(graphs)]
     return [
         EngineUnderTest(
             name=f"torch/{'graphs' if g else 'eager'}",
-            build=lambda k, g=g: TorchEngine(model, batch=1, k_max=k, cuda_graphs=g, invariant=invariant),
+            build=lambda k, g=g: TorchEngine(model, batch=1, k_max=k, cuda_graphs=g, invariant=invariant,
+                                             hidden_layers=hidden_layers),
             plain_decode=lambda engine, prompt, n: engine.greedy_decode(prompt, n),
             k_max=k_max,
             invariant=invariant,
@@ -515,7 +518,7 @@ def torch_engines(model, graphs: bool | None = None, k_max: int = 8, invariant: 
     ]
 
 
-def jax_engines(engine, k_max: int = 8, invariant: bool = True) -> list[EngineUnderTest]:
+def jax_engines(engine, k_max: int = 8, invariant: bool = True, hidden_layers: tuple[int, ...] = ()) -> list[EngineUnderTest]:
     """The JAX engine; its plain decode is the fused on-device loop (one dispatch per generation)."""
     from specdec.verifiers.jax_engine import JaxEngine
 
@@ -523,7 +526,7 @@ def jax_engines(engine, k_max: int = 8, invariant: bool = True) -> list[EngineUn
         EngineUnderTest(
             name="jax",
             build=lambda k: JaxEngine(engine.cfg, engine.params, batch=1, max_seq_len=engine.max_seq_len, k_max=k,
-                                      invariant=invariant),
+                                      invariant=invariant, hidden_layers=hidden_layers),
             plain_decode=lambda verifier, prompt, n: verifier.generate_fused(prompt, n),
             k_max=k_max,
             invariant=invariant,
@@ -532,18 +535,38 @@ def jax_engines(engine, k_max: int = 8, invariant: bool = True) -> list[EngineUn
 
 
 def model_gates(engines: list[EngineUnderTest], prompt: list[int], n_tokens: int, k_max: int = 8,
-                self_draft: bool = True, progress: Callable[[str], None] | None = None) -> list[GateResult]:
-    """The gates of one prompt: K=0 and greedy K=1..k_max on each engine, and self-draft on the PyTorch ones
-    (the model drafter runs on the PyTorch engine)."""
+                self_draft: bool = True, progress: Callable[[str], None] | None = None, drafter_factory=None,
+                drafter_name: str = "n-gram") -> list[GateResult]:
+    """The gates of one prompt: K=0 and greedy K=1..k_max on each engine (n-gram drafts, or
+    `drafter_factory(verifier, k)`'s), and self-draft on the PyTorch ones (the model drafter runs on the
+    PyTorch engine)."""
     say = progress or (lambda _msg: None)
     results: list[GateResult] = []
     ks = range(1, k_max + 1)
     for eut in engines:
         say(f"{eut.name}: K=0 vs plain decode, {n_tokens} tokens")
         results.append(gate_k0(eut, prompt, n_tokens))
-        say(f"{eut.name}: greedy K=1..{k_max}, n-gram drafter")
-        results += gate_greedy(eut, prompt, n_tokens, ks)
+        say(f"{eut.name}: greedy K=1..{k_max}, {drafter_name} drafter")
+        results += gate_greedy(eut, prompt, n_tokens, ks, drafter_factory)
         if self_draft and eut.name.startswith("torch"):
             say(f"{eut.name}: self-draft K=1..{k_max}")
             results += gate_self_draft(eut, prompt, n_tokens, ks)
     return results
+
+
+def gate_sampled_eagle3(engine, head, prompt: list[int], k: int = 2,
+                        params: SamplingParams = SamplingParams(0.7, top_k=8)) -> GateResult:
+    """gate_sampled_speculation on the fused cycle a user runs with an EAGLE-3 head: drafts sampled by the
+    head, their probabilities handed to the rule. `engine` is a batch engine (one row per draw) returning
+    the head's taps."""
+    from specdec.drafters.eagle3 import Eagle3Drafter
+
+    drafter = Eagle3Drafter(head, engine, k, params)
+    if drafter.framework == "jax":
+        from specdec.verifiers.jax_engine import JaxFusedCycle as Cycle
+    else:
+        from specdec.verifiers.torch_engine import FusedCycle as Cycle
+    # Two tokens a row are all the gate reads: JAX runs one cycle per call, not 8.
+    extra = {"cycles_per_call": 1} if drafter.framework == "jax" else {}
+    cycle = Cycle(engine, drafter.device_draft_fn(drafter.framework, k), k, params, **extra)
+    return gate_sampled_speculation(cycle, prompt, k, params, f"{drafter.framework}/eagle3")

@@ -209,3 +209,26 @@ def _rmtree(p: Path) -> None:
     import shutil
 
     shutil.rmtree(p, ignore_errors=True)
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """A short hash that names one checkpoint's weights: its config.json, and for each safetensors file
+    its size, header (names, shapes, dtypes) and 64 blocks of 64 KiB spread through the data. Reading a
+    few MiB, not the whole file, keeps it fast for multi-GB checkpoints while any retrained or re-cast
+    weights still change it. Draft heads and distilled data record it, so a head is refused by a target
+    it was not trained for."""
+    import hashlib
+
+    directory = Path(path)
+    digest = hashlib.sha256((directory / "config.json").read_bytes())
+    for file in sorted(set(_shard_files(directory).values())):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(header_len, 1 << 24)))
+            block = 1 << 16
+            for i in range(64):
+                f.seek(max(0, (size - block) * i // 63))
+                digest.update(f.read(block))
+    return digest.hexdigest()[:16]

@@ -114,6 +114,7 @@ class DecodeState(NamedTuple):
     done: jax.Array  # [B] bool: hit EOS or max tokens
     cycles: jax.Array  # [B] verify cycles run while not done (tau = generated / cycles)
     key: jax.Array  # PRNG key of a sampled decode, split once per cycle (greedy decoding leaves it)
+    drafter: dict  # a stateful device drafter's state (EAGLE-3: its KV cache, rows to catch up on); {} if none
 
 
 class StepResult(NamedTuple):
@@ -125,13 +126,26 @@ class StepResult(NamedTuple):
     draft_len: jax.Array  # [B]
 
 
-# A device drafter's function (specdec.protocol.DeviceDrafter): (tokens, context_len) -> (draft [B, k], draft_len [B]).
+# A device drafter's function (specdec.protocol.DeviceDrafter): (tokens, context_len) -> (draft [B, k], draft_len [B]);
+# or a stateful device drafter (specdec.drafters.eagle3_jax.JaxEagle3: draft and observe over a state the
+# loop carries, its params an argument of the compiled program).
 DraftFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def _stateful(draft_fn) -> bool:
+    return hasattr(draft_fn, "observe")
+
+
+def _draft_params(draft_fn):
+    """What the compiled decode takes as the drafter's params: a stateful drafter's, else nothing."""
+    return draft_fn.params if _stateful(draft_fn) else None
 
 
 def _draft_fn_key(draft_fn: DraftFn | None):
     """Compiled decode functions are shared by drafters of equal settings: device_draft_fn makes a new
     functools.partial per call, equal to the last one in function and arguments but not in identity."""
+    if _stateful(draft_fn):
+        return draft_fn.cache_key
     if isinstance(draft_fn, functools.partial):
         return draft_fn.func, draft_fn.args, tuple(sorted(draft_fn.keywords.items()))
     return draft_fn
@@ -175,6 +189,9 @@ class JaxEngine:
         self._reset_fn = jax.jit(lambda cache: self._constrain(reset_cache(cache)), donate_argnums=0)
         self._reset_row_fn = jax.jit(self._reset_row, donate_argnums=0)
         self._decode_fns: dict[tuple, Callable] = {}  # compiled decode loops and steps (see _decode_fn)
+        # Per row, the hidden states of `hidden_layers` at its committed prompt positions [P-1, n, H] (an
+        # EAGLE-3 head starts from them); set by prefill and prefill_row when hidden_layers are asked for.
+        self.prefill_hidden: list[np.ndarray | None] = [None] * batch
 
     @classmethod
     def from_checkpoint(cls, path, dtype=None, **kwargs) -> "JaxEngine":
@@ -202,16 +219,21 @@ class JaxEngine:
         return self._constrain(dict(cache, slot_pos=slot_pos))
 
     def decode_step(self, params, state: DecodeState, max_new_tokens, eos_ids, draft_fn: DraftFn | None = None,
-                    sampling: SamplingParams = SamplingParams()) -> tuple[DecodeState, StepResult]:
+                    sampling: SamplingParams = SamplingParams(), draft_params=None) -> tuple[DecodeState, StepResult]:
         """One cycle for every row: draft k tokens (k = 0 without a drafter), verify [pending] + drafts,
         accept (greedy: the longest argmax-matching prefix and the target's next token; sampled: lossless
-        rejection sampling, the drafter a point mass), commit and emit them. Rows already done emit nothing.
-        `sampling` is static; its seed is not read here (it seeded state.key)."""
+        rejection sampling against the drafter's probabilities, a point mass for a deterministic drafter),
+        commit and emit them. Rows already done emit nothing. `sampling` is static; its seed is not read
+        here (it seeded state.key)."""
         B = state.length.shape[0]
         rows = jnp.arange(B)[:, None]
         pending = state.tokens[rows, state.length[:, None]]
+        key, draft_probs, drafter_state = state.key, None, state.drafter
         if draft_fn is None:
             draft, draft_len = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
+        elif _stateful(draft_fn):
+            key, draft_key = jax.random.split(key) if not sampling.greedy else (key, key)
+            draft, draft_len, draft_probs, drafter_state = draft_fn.draft(params, draft_params, drafter_state, draft_key)
         else:  # the pending token at tokens[b, length[b]] ends each row's context
             draft, draft_len = draft_fn(state.tokens, state.length + 1)
             draft, draft_len = draft.astype(jnp.int32), draft_len.astype(jnp.int32)
@@ -220,13 +242,13 @@ class JaxEngine:
             raise SpecdecError(f"the drafter proposes {k} tokens, more than the engine's k_max of {self.k_max}")
         offsets = jnp.arange(k + 1, dtype=jnp.int32)
         tokens = self._pad(jnp.concatenate([pending, draft], axis=1))
-        logits, _, cache = self._decode_forward(params, state.cache, tokens, state.length)
-        key = state.key
+        logits, hidden, cache = self._decode_forward(params, state.cache, tokens, state.length)
         if sampling.greedy:
             num_accepted, next_token = accept_greedy(draft, draft_len, logits[:, : k + 1])
-        else:  # a device drafter is deterministic: no draft probabilities
+        else:
             key, cycle_key = jax.random.split(key)
-            num_accepted, next_token = accept_sampled(draft, draft_len, None, logits[:, : k + 1], sampling, cycle_key)
+            num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits[:, : k + 1], sampling,
+                                                      cycle_key)
         next_token = next_token.astype(jnp.int32)
         # Accepted drafts, then the target's token; entries past it are overwritten by the next cycle.
         padded_draft = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -236,6 +258,8 @@ class JaxEngine:
         count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, num_accepted + 1)
         count = jnp.where(state.done, 0, count).astype(jnp.int32)
         generated = state.generated + count
+        if _stateful(draft_fn):
+            drafter_state = draft_fn.observe(draft_params, drafter_state, hidden, emitted, num_accepted + 1, state.length)
         state = DecodeState(
             cache=self._constrain(cache),
             tokens=state.tokens.at[rows, state.length[:, None] + 1 + offsets].set(emitted),
@@ -244,14 +268,15 @@ class JaxEngine:
             done=state.done | hit_eos | (generated >= max_new_tokens),
             cycles=state.cycles + (~state.done).astype(jnp.int32),
             key=key,
+            drafter=drafter_state,
         )
         return state, StepResult(num_accepted, next_token, draft, draft_len)
 
     def _loop_fn(self, draft_fn: DraftFn | None = None, sampling: SamplingParams = SamplingParams()):
         """The whole decode, decode_step until every row is done, as one compiled while_loop."""
 
-        def loop(params, state, max_new_tokens, eos_ids):
-            step = lambda s: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn, sampling)[0]  # noqa: E731
+        def loop(params, state, max_new_tokens, eos_ids, draft_params=None):
+            step = lambda s: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn, sampling, draft_params)[0]  # noqa: E731
             return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
 
         return self._decode_fn("loop", loop, draft_fn, sampling)
@@ -260,8 +285,8 @@ class JaxEngine:
         """`cycles` decode_steps as one compiled call (a lax.scan), their StepResults stacked [cycles, ...]
         (JaxFusedCycle)."""
 
-        def steps(params, state, max_new_tokens, eos_ids):
-            step = lambda s, _: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn, sampling)  # noqa: E731
+        def steps(params, state, max_new_tokens, eos_ids, draft_params=None):
+            step = lambda s, _: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn, sampling, draft_params)  # noqa: E731
             return jax.lax.scan(step, state, length=cycles)
 
         return self._decode_fn(("steps", cycles), steps, draft_fn, sampling)
@@ -312,6 +337,7 @@ class JaxEngine:
         sliding-window ring is sized for."""
         chunk = self.buckets[-1]
         longest = max(len(ids) for ids in contexts.values())
+        hidden_chunks = []
         for start in range(0, longest, chunk):
             tokens = np.full((self.batch, chunk), self.cfg.pad_token_id, np.int32)
             advance = np.zeros(self.batch, np.int32)
@@ -320,8 +346,15 @@ class JaxEngine:
                 tokens[row, : len(part)] = part
                 advance[row] = len(part)
             self.dispatches += 1
-            _, _, self.cache = self._verify_fn(self.params, self.cache, jnp.asarray(tokens), self.lengths)
+            _, hidden, self.cache = self._verify_fn(self.params, self.cache, jnp.asarray(tokens), self.lengths)
             self.lengths = self.lengths + jnp.asarray(advance)
+            hidden_chunks.append(hidden)
+        if self.hidden_layers:
+            n, H = len(self.hidden_layers), self.cfg.hidden_size
+            hidden = np.concatenate([np.asarray(h, np.float32) for h in hidden_chunks], axis=1) if hidden_chunks \
+                else np.zeros((self.batch, 0, n, H), np.float32)
+            for row, ids in contexts.items():
+                self.prefill_hidden[row] = hidden[row, : len(ids)]
 
     def verify(self, tokens) -> VerifyOutput:
         """Run tokens [B, T] at positions lengths + 0..T-1 (T <= k_max + 1); nothing is committed."""
@@ -374,13 +407,14 @@ class JaxEngine:
                      sampling: SamplingParams = SamplingParams()) -> DecodeState:
         """Prefill one prompt and build the loop's state (batch 1)."""
         self._check_generation(prompt_ids, max_new_tokens)
-        return self._start_decode([prompt_ids], sampling, done=max_new_tokens <= 0)
+        return self._start_decode([prompt_ids], sampling, done=max_new_tokens <= 0, draft_fn=draft_fn)
 
     def _start_decode(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
-                      done: bool = False) -> DecodeState:
+                      done: bool = False, draft_fn: DraftFn | None = None) -> DecodeState:
         """Prefill one prompt per row and build the decode state: the prompts in the token buffer, the
-        PRNG key seeded from the request (seed None: 0)."""
+        PRNG key seeded from the request (seed None: 0), a stateful drafter's state started from the prompts."""
         self.prefill(prompts)
+        drafter = draft_fn.begin(self.params, prompts, self.prefill_hidden) if _stateful(draft_fn) else {}
         tokens = np.zeros((self.batch, self.max_seq_len + self.k_max + 1), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
@@ -392,6 +426,7 @@ class JaxEngine:
             done=jnp.full(self.batch, done),
             cycles=jnp.zeros(self.batch, jnp.int32),
             key=jax.random.PRNGKey(sampling.seed or 0),
+            drafter=drafter,
         )
 
     def decode_fused(self, state: DecodeState, max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None,
@@ -400,7 +435,7 @@ class JaxEngine:
         self.cache = None  # donated to the loop
         self.dispatches += 1
         loop = self._loop_fn(draft_fn, sampling)
-        state = loop(self.params, state, *_stop_arrays(max_new_tokens, eos_ids))
+        state = loop(self.params, state, *_stop_arrays(max_new_tokens, eos_ids), _draft_params(draft_fn))
         self.cache, self.lengths = state.cache, state.length
         return state
 
@@ -451,13 +486,14 @@ class JaxFusedCycle:
         if cycles_per_call < 1:
             raise SpecdecError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
         self.verifier, self.k, self.sampling = engine, k, sampling
-        self._steps = engine._steps_fn(cycles_per_call, draft_fn if k > 0 else None, sampling)
+        self.draft_fn = draft_fn if k > 0 else None
+        self._steps = engine._steps_fn(cycles_per_call, self.draft_fn, sampling)
         self.state: DecodeState | None = None
         self._stop: tuple[jax.Array, jax.Array] | None = None
         self._ready: list[CycleResult] = []  # cycles run on the device, not yet handed out
 
     def start(self, prompts: list[list[int]], stop: StopCondition) -> None:
-        self.state = self.verifier._start_decode(prompts, self.sampling)
+        self.state = self.verifier._start_decode(prompts, self.sampling, draft_fn=self.draft_fn)
         self._stop = _stop_arrays(stop.max_new_tokens, stop.eos_ids)
         self._ready = []
 
@@ -466,7 +502,7 @@ class JaxFusedCycle:
             engine = self.verifier
             engine.cache = None  # donated to the call
             engine.dispatches += 1
-            self.state, results = self._steps(engine.params, self.state, *self._stop)
+            self.state, results = self._steps(engine.params, self.state, *self._stop, _draft_params(self.draft_fn))
             engine.cache, engine.lengths = self.state.cache, self.state.length
             stacked = [np.asarray(a) for a in jax.device_get(tuple(results))]
             self._ready = [CycleResult(*(a[i] for a in stacked)) for i in reversed(range(len(stacked[0])))]

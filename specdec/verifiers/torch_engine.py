@@ -78,6 +78,9 @@ class TorchEngine:
         self._model_fn = compiled_forward(model) if use_compile else model.forward
         self._pad_tokens = torch.full((batch, self.width - 1), model.cfg.pad_token_id, dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, VerifyOutput]] = {}
+        # Per row, the hidden states of `hidden_layers` at its committed prompt positions [P-1, n, H] (an
+        # EAGLE-3 head starts from them); set by prefill and prefill_row when hidden_layers are asked for.
+        self.prefill_hidden: list[torch.Tensor | None] = [None] * batch
 
     # -- the protocol -------------------------------------------------------------------------------
 
@@ -121,11 +124,17 @@ class TorchEngine:
         """Commit equal-length prompts but their last tokens into rows first.., chunk by chunk."""
         rows = self.cache.rows(first, first + len(prompts))
         ids = torch.tensor([p[:-1] for p in prompts], dtype=torch.long, device=self.device)
+        chunks = []
         with torch.inference_mode():
             for start in range(0, ids.shape[1], PREFILL_CHUNK):
                 chunk = ids[:, start : start + PREFILL_CHUNK]
                 pos = torch.arange(start, start + chunk.shape[1], device=self.device).expand_as(chunk)
-                self.model(chunk, pos, rows, last_only=True)
+                chunks.append(self.model(chunk, pos, rows, hidden_layers=self.hidden_layers, last_only=True)[1])
+        if self.hidden_layers:
+            hidden = torch.cat(chunks, dim=1) if chunks else torch.zeros(
+                len(prompts), 0, len(self.hidden_layers), self.cfg.hidden_size, dtype=self.model.dtype, device=self.device)
+            for i in range(len(prompts)):
+                self.prefill_hidden[first + i] = hidden[i]
 
     def verify(self, tokens: torch.Tensor) -> VerifyOutput:
         """Run tokens [B, T] at positions lengths + 0..T-1 (T <= k_max + 1); nothing is committed."""
@@ -211,11 +220,14 @@ class FusedCycle:
     verify, accept, append the emitted tokens to the buffer, advance the cache. The host reads only the
     small per-row result (one sync per cycle). Eager on CPU, same operations.
 
-    `draft_fn` is a device drafter's function (specdec.protocol.DeviceDrafter) proposing k tokens; with k = 0
-    nothing is drafted (draft_fn may be None) and each cycle is one plain decode step. Greedy sampling keeps
-    the argmax-matching prefix. Otherwise lossless rejection sampling, the drafter a point mass (a device
-    drafter is deterministic), drawing from the cycle's own generator: `start` seeds it from `sampling.seed`
-    (0 if None), so a seeded request draws the same numbers whatever ran before it, graphed or eager."""
+    `draft_fn` is a device drafter's function (specdec.protocol.DeviceDrafter) proposing k tokens, or a
+    stateful device drafter (specdec.drafters.eagle3_torch.TorchEagle3: `draft`, then `observe` of the
+    verify's hidden states, on static buffers captured with the cycle); with k = 0 nothing is drafted
+    (draft_fn may be None) and each cycle is one plain decode step. Greedy sampling keeps the
+    argmax-matching prefix. Otherwise lossless rejection sampling against the drafter's probabilities (a
+    point mass for a deterministic drafter), drawing from the cycle's own generator: `start` seeds it from
+    `sampling.seed` (0 if None), so a seeded request draws the same numbers whatever ran before it, graphed
+    or eager."""
 
     def __init__(self, engine: TorchEngine, draft_fn, k: int, sampling: SamplingParams = SamplingParams()):
         if not 0 <= k <= engine.k_max:
@@ -223,6 +235,7 @@ class FusedCycle:
         if k > 0 and draft_fn is None:
             raise SpecdecError(f"k={k} drafts need a draft function")
         self.verifier, self.draft_fn, self.k, self.sampling = engine, draft_fn, k, sampling
+        self.drafter = draft_fn if k > 0 and hasattr(draft_fn, "observe") else None
         self.buffer = torch.zeros(engine.batch, engine.max_seq_len + k + 1, dtype=torch.long, device=engine.device)
         self.context_len = torch.zeros(engine.batch, dtype=torch.long, device=engine.device)  # pending included
         self.generator = None if sampling.greedy else torch.Generator(device=engine.device)
@@ -237,21 +250,28 @@ class FusedCycle:
         self.context_len.copy_(torch.tensor([len(p) for p in prompts], device=self.buffer.device))
         if self.generator is not None:
             self.generator.manual_seed(self.sampling.seed or 0)
+        if self.drafter is not None:
+            self.drafter.begin(prompts, self.verifier.prefill_hidden)
 
-    def _draft(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft(self):
+        """-> (draft [B, k], draft_len [B], draft probabilities [B, k, V] or None for a point mass)."""
         if self.k == 0:
-            return self.buffer[:, :0], torch.zeros_like(self.context_len)
-        return self.draft_fn(self.buffer, self.context_len)
+            return self.buffer[:, :0], torch.zeros_like(self.context_len), None
+        if self.drafter is not None:
+            return self.drafter.draft()
+        return *self.draft_fn(self.buffer, self.context_len), None
 
     def _cycle(self):
         engine, k = self.verifier, self.k
-        draft, draft_len = self._draft()
+        draft, draft_len, draft_probs = self._draft()
         pending = self.buffer.gather(1, (self.context_len - 1)[:, None])
-        logits = engine._forward(engine.pad(torch.cat([pending, draft], dim=1))).logits[:, : k + 1]
+        out = engine._forward(engine.pad(torch.cat([pending, draft], dim=1)))
+        logits = out.logits[:, : k + 1]
         if self.sampling.greedy:
             num_accepted, next_token = accept_greedy(draft, draft_len, logits)
         else:
-            num_accepted, next_token = accept_sampled(draft, draft_len, None, logits, self.sampling, self.generator)
+            num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits, self.sampling,
+                                                      self.generator)
         # Emitted tokens: the accepted drafts, then the target's token; slots past it get junk that
         # the next cycle overwrites (they lie beyond the new context length).
         j = torch.arange(k + 1, device=draft.device)[None]
@@ -259,6 +279,8 @@ class FusedCycle:
         emitted = torch.where(j < num_accepted[:, None], padded, next_token[:, None])
         slots = (self.context_len[:, None] + j).clamp(max=self.buffer.shape[1] - 1)
         self.buffer.scatter_(1, slots, emitted)
+        if self.drafter is not None:
+            self.drafter.observe(out.hidden, emitted, num_accepted + 1, engine.lengths)
         engine.lengths += num_accepted + 1
         self.context_len += num_accepted + 1
         return num_accepted, next_token, draft, draft_len
@@ -271,15 +293,16 @@ class FusedCycle:
         first replay draws what an eager first cycle would; registered with the graph, it gives each replay
         fresh numbers (its offset advances by the graph's draws, as eager cycles advance it)."""
         engine = self.verifier
-        state = (self.buffer, self.context_len, engine.lengths)
+        state = [self.buffer, self.context_len, engine.lengths] + (self.drafter.state() if self.drafter else [])
         saved = [t.clone() for t in state]
-        saved_rng = None if self.generator is None else self.generator.get_state()
+        generators = [g for g in (self.generator, self.drafter and self.drafter.generator) if g is not None]
+        saved_rng = [g.get_state() for g in generators]
 
         def restore():
             for live, snapshot in zip(state, saved):
                 live.copy_(snapshot)
-            if self.generator is not None:
-                self.generator.set_state(saved_rng)
+            for g, rng in zip(generators, saved_rng):
+                g.set_state(rng)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -289,8 +312,8 @@ class FusedCycle:
                 restore()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self.generator is not None:
-            graph.register_generator_state(self.generator)
+        for g in generators:
+            graph.register_generator_state(g)
         with torch.inference_mode(), torch.cuda.graph(graph):
             outputs = self._cycle()
         restore()

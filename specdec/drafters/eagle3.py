@@ -1,0 +1,380 @@
+"""EAGLE-3 draft heads (Li et al., 2025): the head's config, its draft vocabulary, its checkpoints (specdec's
+own and the vLLM/SGLang layout), and the drafter that runs it. The math is written once per framework:
+`eagle3_jax` (training, and drafting in the JAX engine) and `eagle3_torch` (drafting in the PyTorch engine).
+
+The head, in the layout vLLM's and SGLang's EAGLE-3 loaders read (`LlamaForCausalLMEagle3`):
+  fc                   Linear(3 Ht -> H): fuses the target's hidden states at three layers (the inputs of
+                       `aux_layer_ids`, vLLM's `eagle_aux_hidden_state_layer_ids`: default 2, L/2, L-3)
+  midlayer             one Llama decoder layer whose attention reads [input_layernorm(embedding) ||
+                       hidden_norm(hidden)] (2H); the residual is the hidden input
+  norm, lm_head        over a reduced draft vocabulary; d2t[i] = target id of draft id i, minus i; t2d marks
+                       the target ids in it
+The token embedding is the target's (not stored). H must equal the target's hidden size.
+
+Alignment, the same in training and drafting: the head's input at position t pairs the target's feature
+of position t with the token at t+1, and predicts the token at t+2. Drafting further feeds the head its own
+output (before the final norm) in place of the feature, one position on per draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specdec.errors import SpecdecError
+
+DEFAULT_DRAFT_VOCAB = 32000
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """The target layers whose *inputs* the head fuses (low, mid, high), in vLLM's convention
+    (`eagle_aux_hidden_state_layer_ids`): 2, L/2, L-3. Layer i's input is the output of layer i-1, which
+    is what the engines' `hidden_layers` (states after a layer) return: see `engine_taps`."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def engine_taps(aux_layer_ids) -> tuple[int, ...]:
+    """The engines' hidden_layers (states after a layer) that give the inputs of the aux layers."""
+    return tuple(i - 1 for i in aux_layer_ids)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    target_num_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 131072
+    target_fingerprint: str | None = None  # specdec.models.checkpoint.checkpoint_fingerprint of the target
+
+    @classmethod
+    def for_target(cls, target_cfg, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB, aux_layer_ids=None,
+                   fingerprint: str | None = None, **overrides) -> "Eagle3Config":
+        """A head sized like the target's layers (hidden size, heads, head dim, MLP width)."""
+        aux = tuple(aux_layer_ids or default_aux_layer_ids(target_cfg.num_layers))
+        cfg = cls(hidden_size=target_cfg.hidden_size, intermediate_size=target_cfg.intermediate_size,
+                  num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
+                  head_dim=target_cfg.head_dim, vocab_size=target_cfg.vocab_size,
+                  draft_vocab_size=min(draft_vocab_size, target_cfg.vocab_size), aux_layer_ids=aux,
+                  target_num_layers=target_cfg.num_layers, rms_norm_eps=target_cfg.rms_norm_eps,
+                  target_fingerprint=fingerprint)
+        cfg = dataclasses.replace(cfg, **overrides)
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        if len(self.aux_layer_ids) != 3:
+            raise SpecdecError(f"an EAGLE-3 head fuses 3 target layers, got {list(self.aux_layer_ids)}")
+        for i in self.aux_layer_ids:
+            if not 1 <= i < self.target_num_layers:
+                raise SpecdecError(f"aux layer {i} outside 1..{self.target_num_layers - 1} of the target")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise SpecdecError(f"draft vocabulary of {self.draft_vocab_size} outside 1..{self.vocab_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise SpecdecError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads")
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return engine_taps(self.aux_layer_ids)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the head, under the vLLM/SGLang names, with its shape."""
+        H, I, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        return {
+            "fc.weight": (H, 3 * H),
+            "midlayer.input_layernorm.weight": (H,),
+            "midlayer.hidden_norm.weight": (H,),
+            "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+            "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+            "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+            "midlayer.self_attn.o_proj.weight": (H, q),
+            "midlayer.post_attention_layernorm.weight": (H,),
+            "midlayer.mlp.gate_proj.weight": (I, H),
+            "midlayer.mlp.up_proj.weight": (I, H),
+            "midlayer.mlp.down_proj.weight": (H, I),
+            "norm.weight": (H,),
+            "lm_head.weight": (self.draft_vocab_size, H),
+        }
+
+    def to_json(self) -> dict:
+        """config.json in the layout vLLM's and SGLang's EAGLE-3 loaders read, plus specdec's own keys."""
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "target_hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids), "use_aux_hidden_state": True},
+            "specdec": {"target_num_layers": self.target_num_layers, "target_fingerprint": self.target_fingerprint},
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict, source: str = "config.json") -> "Eagle3Config":
+        if "LlamaForCausalLMEagle3" not in raw.get("architectures", []):
+            raise SpecdecError(f"{source}: not an EAGLE-3 head (architectures {raw.get('architectures')})")
+        try:
+            own = raw.get("specdec", {})
+            aux = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+            heads = raw["num_attention_heads"]
+            cfg = cls(
+                hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_heads=heads,
+                num_kv_heads=raw.get("num_key_value_heads", heads),
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
+                draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
+                aux_layer_ids=tuple(aux) if aux else (),
+                target_num_layers=own.get("target_num_layers") or raw.get("target_layer_count") or 0,
+                rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=raw.get("rope_theta", 10000.0),
+                max_position_embeddings=raw.get("max_position_embeddings", 131072),
+                target_fingerprint=own.get("target_fingerprint"),
+            )
+        except KeyError as e:
+            raise SpecdecError(f"{source}: missing key {e.args[0]!r}") from None
+        if raw.get("target_hidden_size", cfg.hidden_size) != cfg.hidden_size:
+            raise SpecdecError(f"{source}: target_hidden_size differs from hidden_size (specdec shares the target's embedding)")
+        return cfg
+
+    def check_target(self, target_cfg, fingerprint: str | None, source: str) -> None:
+        """Refuse a head trained for another target, naming what differs."""
+        theirs = {"hidden size": target_cfg.hidden_size, "vocabulary": target_cfg.vocab_size}
+        ours = {"hidden size": self.hidden_size, "vocabulary": self.vocab_size}
+        if self.target_num_layers:
+            theirs["layers"], ours["layers"] = target_cfg.num_layers, self.target_num_layers
+        for what in theirs:
+            if theirs[what] != ours[what]:
+                raise SpecdecError(f"{source}: head trained for a target with {what} {ours[what]}, this target has {theirs[what]}")
+        if max(self.aux_layer_ids) >= target_cfg.num_layers:
+            raise SpecdecError(f"{source}: aux layers {list(self.aux_layer_ids)} outside the target's {target_cfg.num_layers} layers")
+        if self.target_fingerprint and fingerprint and self.target_fingerprint != fingerprint:
+            raise SpecdecError(f"{source}: head trained for target checkpoint {self.target_fingerprint}, this target is {fingerprint}")
+
+
+# -- the draft vocabulary -------------------------------------------------------------------------------
+
+
+def build_draft_vocab(token_counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The `draft_vocab_size` most frequent target tokens (ties and unseen fill: lowest id first), sorted by
+    id -> (d2t [Vd] int64: target id minus draft id, t2d [V] bool). token_counts [V] counts the tokens the
+    head learns to predict (the target's own outputs)."""
+    counts = np.asarray(token_counts, np.int64)
+    order = np.lexsort((np.arange(len(counts)), -counts))  # by count descending, then id
+    chosen = np.sort(order[:draft_vocab_size])
+    t2d = np.zeros(len(counts), bool)
+    t2d[chosen] = True
+    return (chosen - np.arange(len(chosen))).astype(np.int64), t2d
+
+
+def draft_to_target(d2t: np.ndarray) -> np.ndarray:
+    """Draft id -> target id [Vd]."""
+    return np.arange(len(d2t), dtype=np.int64) + d2t
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------
+
+
+def save_head(path: str | Path, cfg: Eagle3Config, params: dict, d2t: np.ndarray, t2d: np.ndarray) -> Path:
+    """Write a head directory (config.json + model.safetensors in the vLLM/SGLang layout; the same files are
+    specdec's own), atomically: a temporary directory renamed into place."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+    tensors = {name: np.ascontiguousarray(np.asarray(params[name], np.float32)) for name in cfg.shapes()}
+    tensors["d2t"] = np.asarray(d2t, np.int64)
+    tensors["t2d"] = np.asarray(t2d, bool)
+    save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    (tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_json(), indent=2))
+    if path.exists():
+        old = path.with_name(path.name + ".old")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    return path
+
+
+@dataclass
+class Eagle3Head:
+    cfg: Eagle3Config
+    params: dict  # numpy float32 arrays under cfg.shapes()'s names
+    d2t: np.ndarray
+    t2d: np.ndarray
+    path: Path | None = field(default=None, compare=False)
+
+
+def load_head(path: str | Path) -> Eagle3Head:
+    """Read a head directory: specdec's own, or one exported for / by vLLM or SGLang (a `model.` prefix on
+    the layer names, a `layers.0.` in place of `midlayer.`, is accepted). Every tensor's name and shape is
+    checked; without d2t the draft vocabulary is the target's."""
+    from safetensors import SafetensorError, safe_open
+
+    directory = Path(path)
+    if not (directory / CONFIG_NAME).is_file():
+        raise SpecdecError(f"{directory}: not an EAGLE-3 head directory (no {CONFIG_NAME})")
+    try:
+        raw = json.loads((directory / CONFIG_NAME).read_text())
+    except json.JSONDecodeError as e:
+        raise SpecdecError(f"{directory / CONFIG_NAME}: not JSON ({e})") from None
+    cfg = Eagle3Config.from_json(raw, str(directory / CONFIG_NAME))
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise SpecdecError(f"{directory}: no safetensors file")
+    stored: dict[str, np.ndarray] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                for name in f.keys():
+                    canonical = name.removeprefix("model.").replace("layers.0.", "midlayer.")
+                    stored[canonical] = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise SpecdecError(f"{file}: unreadable safetensors file ({e})") from None
+    params = {}
+    for name, shape in cfg.shapes().items():
+        if name not in stored:
+            raise SpecdecError(f"{directory}: missing tensor {name!r}")
+        if tuple(stored[name].shape) != shape:
+            raise SpecdecError(f"{directory}: tensor {name!r} has shape {tuple(stored[name].shape)}, config expects {shape}")
+        params[name] = stored[name].astype(np.float32)
+    if "d2t" in stored:
+        d2t = stored["d2t"].astype(np.int64)
+        if d2t.shape != (cfg.draft_vocab_size,):
+            raise SpecdecError(f"{directory}: d2t has shape {d2t.shape}, expected ({cfg.draft_vocab_size},)")
+    elif cfg.draft_vocab_size == cfg.vocab_size:
+        d2t = np.zeros(cfg.vocab_size, np.int64)
+    else:
+        raise SpecdecError(f"{directory}: a draft vocabulary of {cfg.draft_vocab_size} needs a d2t tensor")
+    ids = draft_to_target(d2t)
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise SpecdecError(f"{directory}: d2t maps draft ids outside the target vocabulary of {cfg.vocab_size}")
+    t2d = np.zeros(cfg.vocab_size, bool)
+    t2d[ids] = True
+    return Eagle3Head(cfg, params, d2t, t2d, directory)
+
+
+def random_head(cfg: Eagle3Config, seed: int = 0, d2t: np.ndarray | None = None) -> Eagle3Head:
+    """A head of random weights (tests; the start of training): normal(0, 0.02) linears, unit norms."""
+    rng = np.random.default_rng(seed)
+    params = {name: (np.ones(shape, np.float32) if name.endswith("norm.weight")
+                     else (0.02 * rng.standard_normal(shape)).astype(np.float32))
+              for name, shape in cfg.shapes().items()}
+    if d2t is None:  # the first draft_vocab_size target ids
+        d2t = np.zeros(cfg.draft_vocab_size, np.int64)
+    t2d = np.zeros(cfg.vocab_size, bool)
+    t2d[draft_to_target(d2t)] = True
+    return Eagle3Head(cfg, params, d2t, t2d)
+
+
+def draft_seed(seed: int | None) -> int:
+    """The seed of a sampled draft's random stream: the request's (None: 0), moved away from the acceptance
+    rule's own stream, which starts from the same request seed; drafts and acceptance tests must draw
+    independent numbers or the output distribution would shift."""
+    return ((seed or 0) + 0x5DEECE66D) % (1 << 31)
+
+
+# -- the drafter ----------------------------------------------------------------------------------------
+
+
+def load_for_target(path: str | Path, target_cfg, fingerprint: str | None) -> Eagle3Head:
+    """A head checked against the target it is to draft for."""
+    head = load_head(path)
+    head.cfg.check_target(target_cfg, fingerprint, str(path))
+    return head
+
+
+class Eagle3Drafter:
+    """An EAGLE-3 head as a drafter. `device` is the framework's drafting state (eagle3_torch.TorchEagle3 or
+    eagle3_jax.JaxEagle3); the fused cycles run it inside their compiled cycle, and this class drives the
+    same functions from the host for HostCycle (specdec.protocol.Drafter). Its verifier must return the
+    hidden states of `head.cfg.taps`, for the prompt too (`prefill_hidden`)."""
+
+    def __init__(self, head: Eagle3Head, verifier, k: int, sampling):
+        self.head, self.verifier, self.k = head, verifier, k
+        self.vocab_size = head.cfg.vocab_size
+        if tuple(verifier.hidden_layers) != head.cfg.taps:
+            raise SpecdecError(f"the verifier returns hidden layers {verifier.hidden_layers}, the head reads {head.cfg.taps}")
+        if type(verifier).__module__.endswith("jax_engine"):
+            from specdec.drafters.eagle3_jax import JaxEagle3
+
+            self.framework = "jax"
+            self.device = JaxEagle3(head, verifier.batch, verifier.max_seq_len, k, sampling,
+                                    verifier.params["embed_tokens.weight"].dtype)
+        else:
+            from specdec.drafters.eagle3_torch import TorchEagle3
+
+            self.framework = "torch"
+            embed = verifier.model.embed_tokens.weight
+            self.device = TorchEagle3(head, embed, verifier.batch, verifier.max_seq_len, k, sampling, embed.dtype)
+
+    def device_draft_fn(self, framework: str, k: int):
+        """The drafting state the fused cycles run (specdec.protocol.DeviceDrafter): stateful, built for k."""
+        if framework != self.framework or k != self.k:
+            raise SpecdecError(f"this EAGLE-3 drafter was built for {self.framework} with k={self.k}")
+        return self.device
+
+    def begin(self, prompts: list[list[int]]) -> None:
+        self.lengths = [len(p) - 1 for p in prompts]
+        if self.framework == "jax":
+            self.device.begin(self.verifier.params, prompts, self.verifier.prefill_hidden)
+        else:
+            self.device.begin(prompts, self.verifier.prefill_hidden)
+
+    def propose(self, k: int) -> "Draft":
+        from specdec.protocol import Draft
+
+        if k != self.k:
+            raise SpecdecError(f"this EAGLE-3 drafter was built for k={self.k}, asked for {k}")
+        if self.framework == "jax":
+            return Draft(*self.device.host_draft(self.verifier.params))
+        import torch
+
+        with torch.inference_mode():
+            return Draft(*self.device.draft())
+
+    def observe(self, emitted: list[list[int]], hidden=None) -> None:
+        if hidden is None:
+            raise SpecdecError("the EAGLE-3 drafter needs the verifier's hidden states")
+        rows = np.zeros((len(emitted), self.k + 1), np.int64)
+        for b, tokens in enumerate(emitted):
+            rows[b, : len(tokens)] = tokens
+        count = np.array([len(t) for t in emitted])
+        start = np.array(self.lengths)
+        self.lengths = [n + c for n, c in zip(self.lengths, count)]
+        if self.framework == "jax":
+            self.device.host_observe(hidden, rows, count, start)
+            return
+        import torch
+
+        as_t = lambda a: torch.as_tensor(a, device=self.device.tokens.device)  # noqa: E731
+        with torch.inference_mode():
+            self.device.observe(hidden, as_t(rows), as_t(count), as_t(start))
