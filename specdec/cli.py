@@ -50,7 +50,7 @@ def user_errors(fn):
 def generate(
     prompt: str = typer.Argument(..., help="completion prompt (or the user turn with --chat)"),
     target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
-    drafter: str = typer.Option("ngram", help="ngram | none"),
+    drafter: str = typer.Option("ngram", help="ngram | none | eagle3=DIR (an EAGLE-3 head trained for this target)"),
     engine: str = typer.Option("torch", help="torch | jax"),
     k: int = typer.Option(4, "-k", "--k", help="draft tokens per cycle"),
     max_new_tokens: int = typer.Option(128, help="tokens to generate at most"),
@@ -81,8 +81,10 @@ def generate(
                   "floating-point near-ties[/yellow]")
     if compile is None:  # compiling pays for itself only over long generations (see specdec.load)
         compile = max_new_tokens >= COMPILE_FROM_TOKENS
+    from specdec.api import drafter_taps
+
     loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=max(k, 1), max_seq_len=max_seq_len,
-                          invariant=invariant, compile=compile)
+                          invariant=invariant, compile=compile, hidden_layers=drafter_taps(drafter))
     out = sys.stdout
     out.write(prompt)
     out.flush()
@@ -110,7 +112,9 @@ def validate(
     prompts: Optional[Path] = typer.Option(None, help="run every gate per prompt: JSONL with a 'prompt' field, or text with one prompt per line"),
     tokens: Optional[int] = typer.Option(None, help="tokens per decode [default: 640 on CUDA (past the sliding-window ring wrap), 48 on CPU]"),
     k_max: int = typer.Option(8, help="greedy and self-draft gates run K = 1 .. k_max"),
+    drafter: str = typer.Option("ngram", help="the greedy gates' drafter: ngram | eagle3=DIR (also gates its sampled drafts end to end)"),
     draws: int = typer.Option(100_000, help="draws per case of the sampling gate"),
+    sampled_rows: int = typer.Option(2000, help="rows (draws) of the end-to-end sampled gate of an EAGLE-3 head"),
     self_draft: bool = typer.Option(True, help="run the self-draft gate (the target as its own drafter)"),
     invariant: bool = typer.Option(True, help="row-invariant forwards; without them greedy gates can fail at near-ties"),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (torch engine)"),
@@ -124,7 +128,7 @@ def validate(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specdec import gates
-    from specdec.api import resolve_checkpoint
+    from specdec.api import parse_drafter, resolve_checkpoint
     from specdec.evidence import git_commit, now_utc
     from specdec.models.tokenizer import Tokenizer
 
@@ -141,10 +145,24 @@ def validate(
     if not invariant:
         err.print("[yellow]invariant forwards off: speculative output can differ from plain decoding at "
                   "floating-point near-ties, and the greedy gates then fail[/yellow]")
-    eut = []
+    kind, _ = parse_drafter(drafter)
+    head = None
+    if kind == "eagle3":
+        from specdec.drafters.eagle3 import Eagle3Drafter, load_for_target
+        from specdec.models.checkpoint import checkpoint_fingerprint
+        from specdec.models.config import GemmaConfig
+        from specdec.sampling import SamplingParams
+
+        head = load_for_target(drafter.partition("=")[2], GemmaConfig.from_file(path / "config.json"),
+                               checkpoint_fingerprint(path))
+    factory = (lambda verifier, k: Eagle3Drafter(head, verifier, k, SamplingParams())) if head else None
+    eut, batch_engines = [], []
     for name in engines:
-        eut += _gate_engines(name, path, device, dtype, k_max, context, invariant)
-    steps = sum(2 + (self_draft and e.name.startswith("torch")) for e in eut) * len(texts) + len(engines)
+        units, batch_engine = _gate_engines(name, path, device, dtype, k_max, context, invariant,
+                                            head.cfg.taps if head else ())
+        eut += units
+        batch_engines.append(batch_engine)
+    steps = sum(2 + (self_draft and e.name.startswith("torch")) for e in eut) * len(texts) + len(engines) * (1 + bool(head))
     results: list[tuple[int | None, gates.GateResult]] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
@@ -156,16 +174,21 @@ def validate(
         for i, ids in enumerate(prompt_ids):
             for result in gates.model_gates(eut, ids, tokens, k_max, self_draft,
                                             progress=lambda m, i=i: (step(f"prompt {i + 1}/{len(texts)} · {m}"),
-                                                                     bar.advance(task))):
+                                                                     bar.advance(task)),
+                                            drafter_factory=factory, drafter_name=kind):
                 results.append((i, result))
-        for framework in engines:
+        for framework, batch_engine in zip(engines, batch_engines):
             step(f"{framework}: sampling rule, {draws} draws per case")
             results += [(None, r) for r in gates.gate_sampling(framework, draws=draws)]
             bar.advance(task)
+            if head is not None:
+                step(f"{framework}: EAGLE-3 sampled drafts end to end, {sampled_rows} draws")
+                results.append((None, gates.gate_sampled_eagle3(batch_engine(sampled_rows), head, prompt_ids[0])))
+                bar.advance(task)
     _print_gate_tables(texts, results)
     record = {
         "date": now_utc(), "commit": git_commit(), "target": str(target or "embedded gemma-3-270m"),
-        "engines": [e.name for e in eut], "invariant": invariant, "tokens": tokens, "k_max": k_max,
+        "engines": [e.name for e in eut], "drafter": drafter, "invariant": invariant, "tokens": tokens, "k_max": k_max,
         "prompts": texts, "passed": all(r.passed for _, r in results),
         "gates": [{"prompt": i, "name": r.name, "passed": r.passed, "detail": r.detail} for i, r in results],
     }
@@ -240,16 +263,26 @@ def _cuda_available() -> bool:
         return False
 
 
-def _gate_engines(engine, path, device, dtype, k_max, context, invariant):
-    """The engine configurations the gates of a loaded target run on."""
+def _gate_engines(engine, path, device, dtype, k_max, context, invariant, hidden_layers=()):
+    """The engine configurations the gates of a loaded target run on, and a builder of a batch engine over
+    the same weights (rows -> engine; for the end-to-end sampled gate, k_max 2)."""
     import specdec
     from specdec import gates
 
     loaded = specdec.load(path, engine=engine, device=device, dtype=dtype, k_max=k_max, max_seq_len=context,
                           invariant=invariant)
     if engine == "torch":
-        return gates.torch_engines(loaded.engine.model, k_max=k_max, invariant=invariant)
-    return gates.jax_engines(loaded.engine, k_max=k_max, invariant=invariant)
+        from specdec.verifiers.torch_engine import TorchEngine
+
+        model = loaded.engine.model
+        return (gates.torch_engines(model, k_max=k_max, invariant=invariant, hidden_layers=hidden_layers),
+                lambda rows: TorchEngine(model, batch=rows, max_seq_len=context, k_max=2, hidden_layers=hidden_layers))
+    from specdec.verifiers.jax_engine import JaxEngine
+
+    jax_engine = loaded.engine
+    return (gates.jax_engines(jax_engine, k_max=k_max, invariant=invariant, hidden_layers=hidden_layers),
+            lambda rows: JaxEngine(jax_engine.cfg, jax_engine.params, batch=rows, max_seq_len=context, k_max=2,
+                                   hidden_layers=hidden_layers))
 
 
 @app.command()
@@ -265,12 +298,13 @@ def bench(
     field: Optional[str] = typer.Option(None, help="the dataset's prompt column [default: 'prompt', else 'text']"),
     num_prompts: Optional[int] = typer.Option(None, help="use the first N prompts"),
     peer: bool = typer.Option(True, help="also run transformers' generate: plain and prompt lookup at each K"),
+    eagle3: Optional[Path] = typer.Option(None, help="an EAGLE-3 head directory: also run it at each K"),
     invariant: bool = typer.Option(True, help="row-invariant forwards: speculative output identical to plain decoding"),
     compile: bool = typer.Option(True, help="torch.compile the torch engine's forward on CUDA (during the warm-up, not timed)"),
     out: Path = typer.Option(Path("specdec-bench.json"), help="JSON results to write"),
     plot: Optional[Path] = typer.Option(None, help="PNG of tok/s against K [default: --out with .png]"),
 ):
-    """Benchmark plain decoding and n-gram speculative decoding on both engines against transformers'
+    """Benchmark plain decoding and n-gram (and EAGLE-3) speculative decoding on both engines against transformers'
     generate, on the same prompts: a table of tok/s, ratios, tau and whether each output is the plain
     decode's; JSON and a PNG. Exit 1 if a speculative output differs from plain decoding."""
     import json
@@ -280,7 +314,7 @@ def bench(
     settings = benchmark.BenchSettings(
         target=target, engines=tuple(benchmark.parse_list(engines, "--engines")), ks=benchmark.parse_ks(k),
         k_max=k_max, max_new_tokens=max_new_tokens, prompts_file=prompts, dataset=dataset, field=field,
-        num_prompts=num_prompts, peer=peer, invariant=invariant, compile=compile,
+        num_prompts=num_prompts, peer=peer, invariant=invariant, compile=compile, eagle3=eagle3,
     )
     benchmark.require("matplotlib", "the plot")
     if not invariant:
@@ -331,6 +365,65 @@ def serve(
     url = server.start()
     print(f"serving {server.model_name} at {url}/v1 ({engine}, {max_num_seqs} rows, k={config.speculative.k})", flush=True)
     server.wait()
+
+
+@app.command("distill")
+@user_errors
+def distill_cmd(
+    out: Path = typer.Option(..., help="output directory: a datasets dataset (save_to_disk) and its manifest.json"),
+    target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
+    corpus: Optional[str] = typer.Option(None, help="builtin: Python sources and /usr/share/doc text on this machine"),
+    prompts: Optional[Path] = typer.Option(None, help="JSONL rows with conversations, messages, text or prompt"),
+    dataset: Optional[str] = typer.Option(None, help="a local Hugging Face dataset: save_to_disk directory, data file or directory, or a name already cached"),
+    split: Optional[str] = typer.Option(None, help="the dataset's split (default: train, else the first)"),
+    num_prompts: Optional[int] = typer.Option(None, help="prompts to answer at most (default: all)"),
+    prompt_tokens: int = typer.Option(128, help="tokens of a text row kept as its prompt"),
+    max_new_tokens: int = typer.Option(256, help="response tokens at most"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    seed: int = typer.Option(0, help="sampling and corpus shuffle seed"),
+    batch: int = typer.Option(4, help="prompts per engine batch"),
+    engine: str = typer.Option("torch", help="torch | jax"),
+    k: int = typer.Option(4, "-k", "--k", help="n-gram draft tokens per cycle (speed only: the responses are the target's)"),
+    max_seq_len: int = typer.Option(2048, help="context: prompt + response"),
+    dump_features: bool = typer.Option(False, help="also store the target's hidden states for offline training"),
+    aux_layers: Optional[str] = typer.Option(None, help="EAGLE-3 aux layer ids a,b,c, vLLM's convention (default: 2, L/2, L-3)"),
+    feature_dtype: str = typer.Option("float16", help="float16 (values past its range saturate) | float32"),
+    corpus_mb: float = typer.Option(16.0, help="MB of text the built-in corpus reads"),
+    overwrite: bool = typer.Option(False, help="replace --out if it exists"),
+):
+    """Self-distilled EAGLE-3 training data: the target answers each prompt (lossless n-gram speculative
+    decoding), written as a datasets dataset with a manifest (sources, target hash, settings, skips)."""
+    from specdec.data import distill as data
+    from specdec.data.sources import dataset_rows, jsonl_rows
+
+    given = [flag for flag, value in (("--corpus", corpus), ("--prompts", prompts), ("--dataset", dataset)) if value]
+    if len(given) != 1:
+        raise SpecdecError("give one prompt source: --corpus builtin, --prompts FILE.jsonl or --dataset DIR"
+                           + (f" (got {' and '.join(given)})" if given else ""))
+    try:
+        aux = tuple(int(a) for a in aux_layers.split(",")) if aux_layers else None
+    except ValueError:
+        raise SpecdecError(f"--aux-layers {aux_layers!r}: comma-separated layer ids, e.g. 2,9,15") from None
+    settings = data.DistillSettings(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    seed=seed, batch=batch, engine=engine, k=k, max_seq_len=max_seq_len,
+                                    dump_features=dump_features, aux_layer_ids=aux, feature_dtype=feature_dtype)
+    settings.check()  # before the corpus is read
+    data.check_out_dir(out, overwrite)
+    if corpus is not None:
+        if corpus != "builtin":
+            raise SpecdecError(f"--corpus {corpus!r}: the only corpus is 'builtin' (else --prompts or --dataset)")
+        from specdec.data.corpus import build_corpus
+
+        built = build_corpus(max_bytes=int(corpus_mb * 2**20), seed=seed)
+        rows, source = ((row["source"], row) for row in built.rows), built.describe()
+    elif prompts is not None:
+        rows, source = jsonl_rows(prompts), {"kind": "jsonl", "path": str(prompts.resolve())}
+    else:
+        rows, source = dataset_rows(dataset, split), {"kind": "dataset", "name": dataset, "split": split}
+    manifest = data.distill(target, rows, out, settings, source, num_prompts, overwrite)
+    c = manifest["counts"]
+    err.print(f"wrote {c['rows']} rows ({c['tokens']:,} tokens, {c['response_tokens']:,} by the target) to {out}; "
+              f"{c['skipped']} rows skipped (manifest.json says why)", highlight=False, soft_wrap=True)
 
 
 @app.command("import-gguf")
