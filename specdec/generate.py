@@ -170,6 +170,12 @@ class _Ops:
         zeros = self.xp.zeros((batch, 0), dtype=self.xp.long, device=self.device)
         return Draft(zeros, self.xp.zeros(batch, dtype=self.xp.long, device=self.device))
 
+    def as_array(self, values: np.ndarray):
+        """A small host array as the verifier's (to scale per-row device values)."""
+        if self.jax:
+            return self.xp.asarray(values, self.xp.int32)
+        return self.xp.as_tensor(values, dtype=self.xp.long, device=self.device)
+
     def to_host(self, *arrays) -> list[np.ndarray]:
         """Bring small per-row arrays to the host in one transfer (one synchronisation)."""
         if self.jax:
@@ -261,23 +267,29 @@ class HostCycle:
         self.ops = _Ops(verifier, sampling)
 
     def start(self, prompts: list[list[int]], stop: StopCondition | None = None) -> None:
-        """Prefill the prompts; the stop condition is for cycles that stop rows on the device (JAX's)."""
+        """Prefill the prompts. A row that has emitted its token budget (`stop.max_new_tokens`) stops
+        advancing: it rides along in the batch until every row is done, but commits nothing more, so it
+        never runs past the context the budget was checked against."""
         self.batch = len(prompts)
         if self.ops.randomness is not None:
             self.ops.randomness.reseed()
         self.pending = self.verifier.prefill(prompts)
+        self.generated = np.zeros(self.batch, np.int64)
+        self.budget = stop.max_new_tokens if stop is not None else np.iinfo(np.int64).max
         if self.drafter is not None:
             self.drafter.begin(prompts)
 
     def step(self) -> CycleResult:
         ops = self.ops
+        live = self.generated < self.budget
         draft = ops.on_device(self.drafter.propose(self.k)) if self.k > 0 else ops.empty_draft(self.batch)
         out = self.verifier.verify(ops.tokens_with_pending(self.pending, draft))
         num_accepted, self.pending = ops.accept(draft, out.logits)
-        self.verifier.commit(num_accepted + 1)
+        self.verifier.commit((num_accepted + 1) * ops.as_array(live))
         result = CycleResult(*ops.to_host(num_accepted, self.pending, draft.tokens, draft.lengths))
+        self.generated += np.where(live, result.num_accepted + 1, 0)
         if self.drafter is not None:
-            self.drafter.observe([result.emitted(b) for b in range(self.batch)], out.hidden)
+            self.drafter.observe([result.emitted(b) if live[b] else [] for b in range(self.batch)], out.hidden)
         return result
 
 

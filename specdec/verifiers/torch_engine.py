@@ -238,16 +238,21 @@ class FusedCycle:
         self.drafter = draft_fn if k > 0 and hasattr(draft_fn, "observe") else None
         self.buffer = torch.zeros(engine.batch, engine.max_seq_len + k + 1, dtype=torch.long, device=engine.device)
         self.context_len = torch.zeros(engine.batch, dtype=torch.long, device=engine.device)  # pending included
+        self.limit = torch.zeros_like(self.context_len)  # a row advances while context_len < limit
         self.generator = None if sampling.greedy else torch.Generator(device=engine.device)
         self._graph: tuple[torch.cuda.CUDAGraph, tuple] | None = None
 
     def start(self, prompts: list[list[int]], stop=None) -> None:
-        """Prefill the prompts and seed the sampler; rows stop on the host (`stop` is for JAX's cycle)."""
+        """Prefill the prompts and seed the sampler. Rows stop on the host, but a row that has emitted its token
+        budget (`stop.max_new_tokens`) stops advancing on the device: it rides along until every row is done
+        without running past the context the budget was checked against."""
         self.verifier.prefill(prompts)
         self.buffer.zero_()
         for b, prompt in enumerate(prompts):
             self.buffer[b, : len(prompt)] = torch.tensor(prompt, device=self.buffer.device)
         self.context_len.copy_(torch.tensor([len(p) for p in prompts], device=self.buffer.device))
+        budget = stop.max_new_tokens if stop is not None else self.verifier.max_seq_len
+        self.limit.copy_(self.context_len + budget)
         if self.generator is not None:
             self.generator.manual_seed(self.sampling.seed or 0)
         if self.drafter is not None:
@@ -263,6 +268,7 @@ class FusedCycle:
 
     def _cycle(self):
         engine, k = self.verifier, self.k
+        live = self.context_len < self.limit
         draft, draft_len, draft_probs = self._draft()
         pending = self.buffer.gather(1, (self.context_len - 1)[:, None])
         out = engine._forward(engine.pad(torch.cat([pending, draft], dim=1)))
@@ -279,10 +285,11 @@ class FusedCycle:
         emitted = torch.where(j < num_accepted[:, None], padded, next_token[:, None])
         slots = (self.context_len[:, None] + j).clamp(max=self.buffer.shape[1] - 1)
         self.buffer.scatter_(1, slots, emitted)
+        advance = (num_accepted + 1) * live
         if self.drafter is not None:
-            self.drafter.observe(out.hidden, emitted, num_accepted + 1, engine.lengths)
-        engine.lengths += num_accepted + 1
-        self.context_len += num_accepted + 1
+            self.drafter.observe(out.hidden, emitted, advance, engine.lengths)
+        engine.lengths += advance
+        self.context_len += advance
         return num_accepted, next_token, draft, draft_len
 
     def _capture(self) -> None:

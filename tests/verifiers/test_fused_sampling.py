@@ -216,3 +216,18 @@ def test_sampling_gate_passes_the_cuda_fused_cycle(random_checkpoints, gate_prom
     result = gates.gate_sampled_speculation(cycle, gate_prompt, GATE_K, GATE_SAMPLING, "torch/cuda")
     assert result.passed, result.detail
     assert 0.05 < result.detail["acceptance"] < 0.95
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("host", [False, True])
+def test_rows_past_their_budget_stop_advancing(engines, framework, host):
+    """A batch runs until its last row is done; rows done earlier (EOS, budget) ride along but must not
+    advance past their token budget, or they would run past the context it was checked against."""
+    engine = engines[framework]
+    cycle = HostCycle(engine, NgramDrafter(), K, GREEDY) if host else fused(engine, K, GREEDY)
+    budget = 4
+    cycle.start(PROMPTS, StopCondition(budget))
+    for _ in range(12):
+        cycle.step()
+    lengths = np.asarray(engine.lengths.tolist() if framework == "torch" else engine.lengths)
+    assert (lengths <= np.array([len(p) - 1 for p in PROMPTS]) + budget + K).all(), lengths
