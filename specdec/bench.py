@@ -447,3 +447,30 @@ def plot_bench(record: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_acceptance(record: dict, path: Path) -> None:
+    """Per-position acceptance (the rate at which the draft at each position is accepted, vLLM's definition)
+    of every drafter of ours at the largest K, per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = max(record["settings"]["ks"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, m in enumerate(m for m in record["methods"] if m["k"] == k and m["engine"] != PEER):
+        ax.plot(range(1, k + 1), m["per_position_acceptance"], "o-" if m["drafter"] == "ngram" else "^-",
+                color=f"C{i}", label=f"{m['method']} (tau {m['tau']:.2f})")
+    ax.set_xticks(range(1, k + 1))
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    s = record["settings"]
+    ax.set_title(f"{record['device']} · {s['dtype']} · {len(record['prompts'])} prompts · commit {record['commit']}",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

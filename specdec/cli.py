@@ -325,7 +325,9 @@ def bench(
     out.write_text(json.dumps(record, indent=1))
     plot = plot or out.with_suffix(".png")
     benchmark.plot_bench(record, plot)
-    err.print(f"results in {out}, plot in {plot}", soft_wrap=True)
+    acceptance = plot.with_name(plot.stem + "-acceptance.png")
+    benchmark.plot_acceptance(record, acceptance)
+    err.print(f"results in {out}, plots in {plot} and {acceptance}", soft_wrap=True)
     if not record["identical"]:
         where = "; ".join(benchmark.differences(record))
         if invariant:
@@ -424,6 +426,71 @@ def distill_cmd(
     c = manifest["counts"]
     err.print(f"wrote {c['rows']} rows ({c['tokens']:,} tokens, {c['response_tokens']:,} by the target) to {out}; "
               f"{c['skipped']} rows skipped (manifest.json says why)", highlight=False, soft_wrap=True)
+
+
+train_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train draft heads.")
+app.add_typer(train_app, name="train")
+
+
+@train_app.command("eagle3")
+@user_errors
+def train_eagle3_cmd(
+    data: Optional[Path] = typer.Option(None, help="distilled data (specdec distill): a datasets directory with its manifest.json"),
+    out: Optional[Path] = typer.Option(None, help="output directory: checkpoints/, head/ (the exported head), train_log.jsonl"),
+    target: Optional[Path] = typer.Option(None, help=TARGET_HELP + " (the one the data was distilled from)"),
+    config: Optional[Path] = typer.Option(None, help="YAML of training settings (specdec.training.config.TrainConfig fields); flags override it"),
+    steps: Optional[int] = typer.Option(None, help="optimizer steps [2000]"),
+    batch_size: Optional[int] = typer.Option(None, help="sequences per step, over all devices [8]"),
+    seq_len: Optional[int] = typer.Option(None, help="tokens per sequence (truncated / padded) [2048]"),
+    lr: Optional[float] = typer.Option(None, help="peak learning rate (warmup, then cosine decay) [1e-4]"),
+    warmup: Optional[int] = typer.Option(None, help="warmup steps [100]"),
+    ttt_steps: Optional[int] = typer.Option(None, help="training-time-test steps unrolled [7]"),
+    draft_vocab: Optional[int] = typer.Option(None, help="draft vocabulary size (the most frequent response tokens) [32000]"),
+    aux_layers: Optional[str] = typer.Option(None, help="aux layer ids a,b,c, vLLM's convention [the data's, else 2, L/2, L-3]"),
+    offline: Optional[bool] = typer.Option(None, "--offline/--online", help="read the target's states from the data (distilled with --dump-features) [online]"),
+    compute_dtype: Optional[str] = typer.Option(None, help="the head's matmuls: float32 | bfloat16 [float32]"),
+    seed: Optional[int] = typer.Option(None, help="head initialisation and data order [0]"),
+    save_every: Optional[int] = typer.Option(None, help="steps between checkpoints [500]"),
+    keep: Optional[int] = typer.Option(None, help="checkpoints kept [3]"),
+    log_every: Optional[int] = typer.Option(None, help="steps between metric reports [10]"),
+    resume: bool = typer.Option(False, help="insist on continuing a checkpoint in --out (one of the same config is continued anyway)"),
+    wandb_project: Optional[str] = typer.Option(None, help="log to this Weights & Biases project [off]"),
+    wandb_mode: Optional[str] = typer.Option(None, help="online | offline | disabled"),
+    devices: Optional[int] = typer.Option(None, help="local devices to train on, data parallel [all]"),
+    coordinator_address: Optional[str] = typer.Option(None, help="multi-host: jax.distributed coordinator HOST:PORT"),
+    num_processes: Optional[int] = typer.Option(None, help="multi-host: number of processes"),
+    process_id: Optional[int] = typer.Option(None, help="multi-host: this process's id"),
+    stop_after: Optional[int] = typer.Option(None, hidden=True, help="stop after this many steps, as if killed (tests)"),
+):
+    """Train an EAGLE-3 head on distilled data (JAX, data parallel over every device); resumable. Writes
+    checkpoints and OUT/head, the head in the vLLM/SGLang layout (generate --drafter eagle3=OUT/head)."""
+    from specdec.training.config import TrainConfig
+    from specdec.training.trainer import train_eagle3
+
+    cfg = TrainConfig.load(
+        config, data=data, out=out, target=target, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
+        warmup=warmup, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers, offline=offline,
+        compute_dtype=compute_dtype, seed=seed, save_every=save_every, keep=keep, log_every=log_every,
+        wandb_project=wandb_project, wandb_mode=wandb_mode, devices=devices, coordinator_address=coordinator_address,
+        num_processes=num_processes, process_id=process_id,
+    )
+    result = train_eagle3(cfg, resume=resume, stop_after=stop_after, console=err)
+    m = result.metrics
+    stats = f" · loss {m['loss']:.4f} · acc0 {m['acc_0']:.3f}" if m else ""
+    where = f"head in {result.head}" if result.head else f"checkpoint {result.checkpoint}"
+    err.print(f"step {result.step}/{cfg.steps}{stats} · {where}", highlight=False, soft_wrap=True)
+
+
+@app.command("export")
+@user_errors
+def export_cmd(
+    checkpoint: Path = typer.Argument(..., help="a training checkpoint (OUT/checkpoints/step_N) or a training --out (its newest)"),
+    out: Path = typer.Argument(..., help="the head directory to write (config.json + model.safetensors)"),
+):
+    """Export a training checkpoint as an EAGLE-3 head in the vLLM/SGLang layout."""
+    from specdec.training.checkpoint import export_head
+
+    err.print(f"wrote {export_head(checkpoint, out)}", highlight=False, soft_wrap=True)
 
 
 @app.command("import-gguf")

@@ -5,6 +5,7 @@ cache writes, no host synchronisation."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -84,7 +85,7 @@ class TorchEagle3:
         device = embed_table.device
         self.cfg, self.k, self.batch = head.cfg, k, batch
         self.sampling = sampling or SamplingParams()
-        self.params = {n: torch.as_tensor(a).to(device=device, dtype=dtype) for n, a in head.params.items()}
+        self.params = {n: torch.tensor(np.asarray(a), dtype=dtype, device=device) for n, a in head.params.items()}
         self.embed_table = embed_table
         self.draft_ids = torch.as_tensor(draft_to_target(head.d2t), device=device)
         self.inv_freq = rope_inv_freq(head.cfg, device)

@@ -369,10 +369,20 @@ def forward(
             taps[spec.index] = x
     new_cache = cache if commit_first else _commit(cfg, cache, writes, positions, x)
     hidden = jnp.stack([taps[i] for i in hidden_layers], axis=2) if hidden_layers else None
-    x = _rms_norm(x[:, -1:] if last_only else x, params["norm.weight"], cfg)
+    return final_logits(params, cfg, x[:, -1:] if last_only else x), hidden, new_cache
+
+
+def final_logits(params: Params, cfg: GemmaConfig, hidden, vocab_ids=None):
+    """The model's output head: hidden [..., H] (the state after the last layer, before the final norm) ->
+    float32 logits [..., V], or [..., len(vocab_ids)] over only those target ids (the LM head's rows gathered
+    first, so a reduced vocabulary never materialises the full [..., V] logits). Final norm, LM head
+    (tied to the embedding or not), final softcap: what `forward` returns."""
+    x = _rms_norm(hidden, params["norm.weight"], cfg)
     head = params["embed_tokens.weight"] if cfg.tie_word_embeddings else params["lm_head.weight"]
+    if vocab_ids is not None:
+        head = jnp.take(head, vocab_ids, axis=0)
     logits = _linear(x, head).astype(jnp.float32)
     if cfg.final_logit_softcapping is not None:
         cap = cfg.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap
-    return logits, hidden, new_cache
+    return logits
