@@ -440,13 +440,7 @@ def plot_bench(record: dict, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("K (draft tokens per cycle)")
     ax.set_ylabel(f"tokens / s (batch 1, {s['max_new_tokens']} new tokens)")
-    ax.set_title(f"{record['device']} · {s['dtype']} · {len(record['prompts'])} prompts · commit {record['commit']}",
-                 fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish_plot(fig, ax, record, path)
 
 
 def plot_acceptance(record: dict, path: Path) -> None:
@@ -466,6 +460,13 @@ def plot_acceptance(record: dict, path: Path) -> None:
     ax.set_ylim(0, 1)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
+    _finish_plot(fig, ax, record, path)
+
+
+def _finish_plot(fig, ax, record: dict, path: Path) -> None:
+    """The run's device, dtype, prompts and commit as the title; grid, legend; written as PNG."""
+    import matplotlib.pyplot as plt
+
     s = record["settings"]
     ax.set_title(f"{record['device']} · {s['dtype']} · {len(record['prompts'])} prompts · commit {record['commit']}",
                  fontsize=9)
