@@ -448,7 +448,7 @@ def train_eagle3_cmd(
     draft_vocab: Optional[int] = typer.Option(None, help="draft vocabulary size (the most frequent response tokens) [32000]"),
     aux_layers: Optional[str] = typer.Option(None, help="aux layer ids a,b,c, vLLM's convention [the data's, else 2, L/2, L-3]"),
     offline: Optional[bool] = typer.Option(None, "--offline/--online", help="read the target's states from the data (distilled with --dump-features) [online]"),
-    compute_dtype: Optional[str] = typer.Option(None, help="the head's matmuls: float32 | bfloat16 [float32]"),
+    compute_dtype: Optional[str] = typer.Option(None, help="the head's matmuls (its weights stay float32): float32 | bfloat16 [bfloat16 on accelerators, float32 on CPU]"),
     seed: Optional[int] = typer.Option(None, help="head initialisation and data order [0]"),
     save_every: Optional[int] = typer.Option(None, help="steps between checkpoints [500]"),
     keep: Optional[int] = typer.Option(None, help="checkpoints kept [3]"),

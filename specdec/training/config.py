@@ -45,8 +45,10 @@ class TrainConfig:
     draft_vocab_size: int = 32000  # capped at the target's vocabulary
     aux_layer_ids: list[int] | None = None  # vLLM's convention; None: the data's, else 2, L/2, L-3
     offline: bool = False  # read the target's states from the dataset instead of running the target
-    compute_dtype: str = "float32"  # the head's matmuls (its params and optimizer stay float32)
-    target_dtype: str | None = None  # the frozen target's weights; None: bfloat16 on accelerators, else float32
+    # The head's matmuls (its params and optimizer state stay float32) and the frozen target's weights;
+    # None: bfloat16 on accelerators, float32 on CPU (resolved so in the saved config).
+    compute_dtype: str | None = None
+    target_dtype: str | None = None
     seed: int = 0  # head initialisation and the data order (a permutation per epoch)
     save_every: int = 500
     keep: int = 3  # checkpoints kept (the newest)

@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
 from specdec.errors import SpecdecError
 from specdec.training.config import TrainConfig
@@ -115,9 +114,12 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
     if cfg.offline and data.manifest.aux_layer_ids and tuple(data.manifest.aux_layer_ids) != aux:
         raise SpecdecError(f"{cfg.data}: features were captured at aux layers {list(data.manifest.aux_layer_ids)}, "
                            f"the head fuses {list(aux)} (train online, or distill again with --aux-layers)")
+    default_dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     resolved = dataclasses.replace(
         cfg, target=str(target_path), data=str(Path(cfg.data).resolve()), out=str(out.resolve()),
-        aux_layer_ids=list(aux), draft_vocab_size=min(cfg.draft_vocab_size, tcfg.vocab_size))
+        aux_layer_ids=list(aux), draft_vocab_size=min(cfg.draft_vocab_size, tcfg.vocab_size),
+        compute_dtype=cfg.compute_dtype or default_dtype, target_dtype=cfg.target_dtype or default_dtype)
+    cfg = resolved
     head_cfg = Eagle3Config.for_target(tcfg, resolved.draft_vocab_size, aux, fingerprint)
 
     # -- devices ----------------------------------------------------------------------------------------
@@ -185,8 +187,7 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
         return TrainResult(start, out, head, existing, {}, start, len(devices))
 
     # -- the target and the compiled step --------------------------------------------------------------
-    dtype = jnp.dtype(cfg.target_dtype) if cfg.target_dtype else jax_gemma.default_dtype()
-    _, tparams = jax_gemma.load_params(target_path, dtype)
+    _, tparams = jax_gemma.load_params(target_path, jnp.dtype(cfg.target_dtype))
     if cfg.offline:  # the layers are not needed: only the embedding, the final norm and the LM head
         keep = {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
         tparams = {k: v for k, v in tparams.items() if k in keep}

@@ -243,6 +243,7 @@ def wandb_history(run_file: Path) -> list[dict]:
 
 def test_wandb_logs_offline(target, online_data, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network, whatever the flag does
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = tmp_path / "run.yaml"
