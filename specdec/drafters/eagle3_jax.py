@@ -221,8 +221,9 @@ class JaxEagle3:
         self._key = jax.random.PRNGKey(draft_seed(self.sampling.seed))
         return self.state
 
-    def draft(self, target_params, params, state, key):
-        """-> (draft [B, k] target ids, draft_len [B], draft probs [B, k, V] when sampled else None, state)."""
+    def draft(self, target_params, params, state, key, target_cache=None):
+        """-> (draft [B, k] target ids, draft_len [B], draft probs [B, k, V] when sampled else None, state).
+        The target's cache is not read (the head keeps its own)."""
         from specdec.acceptance.jax_rule import warp_probs
 
         embed = target_params["embed_tokens.weight"]
@@ -262,7 +263,7 @@ class JaxEagle3:
 
     # -- the host-driven cycle (HostCycle through specdec.drafters.eagle3.Eagle3Drafter) -----------------
 
-    def host_draft(self, target_params):
+    def host_draft(self, target_params, target_cache=None):
         self._key, key = jax.random.split(self._key)
         draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state, key)
         return draft, draft_len, probs

@@ -119,17 +119,20 @@ class GemmaConfig:
         """head_dim of the layers of a kind (Gemma 4's full layers have their own)."""
         return next((s.head_dim for s in self.layers if s.kind == kind), self.head_dim)
 
-    def cache_slots(self, max_seq_len: int, k_max: int) -> dict[str, int]:
+    def cache_slots(self, max_seq_len: int, k_max: int, lookahead: int = 0) -> dict[str, int]:
         """KV-cache slots per layer kind: full layers hold every position; sliding layers a ring of
         window + decode_width(k_max) - 1, so neither a rejected draft nor a pad row written past the
         committed length overwrites a position still inside a query's window (DESIGN.md, "Rules that keep
-        it lossless")."""
-        return {FULL: max_seq_len, SLIDING: min(self.sliding_window + decode_width(k_max) - 1, max_seq_len)}
+        it lossless"). `lookahead` more slots for a cache whose decode forwards chain that many positions
+        past the committed length before it catches up (a model drafter's draft steps)."""
+        ring = self.sliding_window + decode_width(k_max) - 1 + lookahead
+        return {FULL: max_seq_len, SLIDING: min(ring, max_seq_len)}
 
-    def kv_cache_shapes(self, batch: int, max_seq_len: int, k_max: int) -> list[tuple[tuple[int, ...], bool] | None]:
+    def kv_cache_shapes(self, batch: int, max_seq_len: int, k_max: int,
+                        lookahead: int = 0) -> list[tuple[tuple[int, ...], bool] | None]:
         """Per layer: the shape [B, n_kv, slots, head_dim] of its keys and whether it stores values too
         (not for k_eq_v layers, whose one tensor is V); None for KV-shared layers, which own no cache."""
-        slots = self.cache_slots(max_seq_len, k_max)
+        slots = self.cache_slots(max_seq_len, k_max, lookahead)
         return [
             ((batch, s.num_kv_heads, slots[s.kind], s.head_dim), not s.k_eq_v) if s.owns_cache else None
             for s in self.layers

@@ -70,14 +70,15 @@ def _random_normal(key, shape, dtype, std):
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
 
-def init_cache(cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype=None) -> Cache:
+def init_cache(cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype=None, lookahead: int = 0) -> Cache:
     """Empty cache: keys/values [B, n_kv, slots, head_dim] for layers owning a cache (values None for
-    k_eq_v layers, both None for KV-shared layers), slot positions -1."""
+    k_eq_v layers, both None for KV-shared layers), slot positions -1. `lookahead`: GemmaConfig.cache_slots."""
     dtype = dtype or default_dtype()
-    layout = cfg.kv_cache_shapes(batch, max_seq_len, k_max)
+    layout = cfg.kv_cache_shapes(batch, max_seq_len, k_max, lookahead)
     keys = [jnp.zeros(entry[0], dtype) if entry else None for entry in layout]
     values = [jnp.zeros(entry[0], dtype) if entry and entry[1] else None for entry in layout]
-    slot_pos = {kind: jnp.full((batch, n), -1, jnp.int32) for kind, n in cfg.cache_slots(max_seq_len, k_max).items()}
+    slots = cfg.cache_slots(max_seq_len, k_max, lookahead)
+    slot_pos = {kind: jnp.full((batch, n), -1, jnp.int32) for kind, n in slots.items()}
     return {"keys": keys, "values": values, "slot_pos": slot_pos}
 
 

@@ -96,12 +96,13 @@ class KVCache:
     slot_pos: dict[str, torch.Tensor]  # kind -> [B, slots] int64, -1 = empty
 
     @classmethod
-    def allocate(cls, cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype, device) -> "KVCache":
-        layout = cfg.kv_cache_shapes(batch, max_seq_len, k_max)
+    def allocate(cls, cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype, device,
+                 lookahead: int = 0) -> "KVCache":
+        layout = cfg.kv_cache_shapes(batch, max_seq_len, k_max, lookahead)
         zeros = lambda shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         keys = [zeros(entry[0]) if entry else None for entry in layout]
         values = [zeros(entry[0]) if entry and entry[1] else None for entry in layout]
-        slots = cfg.cache_slots(max_seq_len, k_max)
+        slots = cfg.cache_slots(max_seq_len, k_max, lookahead)
         slot_pos = {kind: torch.full((batch, n), -1, dtype=torch.long, device=device) for kind, n in slots.items()}
         return cls(keys, values, slot_pos)
 
@@ -364,15 +365,34 @@ class GemmaModel(nn.Module):
         model._build_rope_tables()  # non-persistent buffers are rebuilt off the meta device
         return model.to(device).eval()
 
+    @classmethod
+    def random(cls, cfg: GemmaConfig, dtype=torch.bfloat16, device="cpu", max_seq_len: int = 4096,
+               seed: int = 0) -> "GemmaModel":
+        """Random weights of a config, drawn on the device (benchmarks at real shapes; jax_gemma.random_params
+        is the JAX twin): matrices ~ N(0, 1/fan_in), norms and scalars at their neutral value."""
+        with torch.device("meta"):
+            model = cls(cfg, max_seq_len)
+        model = model.to(dtype).to_empty(device=device)  # cast on the meta device: nothing allocated in fp32
+        gen = torch.Generator(device=device).manual_seed(seed)
+        neutral = 1.0 - cfg.norm_weight_offset  # Gemma 3 norms scale by (1 + w), Gemma 4 by w
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                if t.ndim <= 1:
+                    t.fill_(neutral)
+                else:
+                    t.normal_(0.0, t.shape[-1] ** -0.5, generator=gen)
+        model._build_rope_tables()
+        return model.to(device).eval()
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def allocate_cache(self, batch: int, k_max: int = 8, max_seq_len: int | None = None) -> KVCache:
+    def allocate_cache(self, batch: int, k_max: int = 8, max_seq_len: int | None = None, lookahead: int = 0) -> KVCache:
         n = max_seq_len or self.max_seq_len
         if n > self.max_seq_len:
             raise ValueError(f"cache of {n} positions exceeds the model's RoPE tables ({self.max_seq_len})")
-        return KVCache.allocate(self.cfg, batch, n, k_max, self.dtype, self.embed_tokens.weight.device)
+        return KVCache.allocate(self.cfg, batch, n, k_max, self.dtype, self.embed_tokens.weight.device, lookahead)
 
     def _scale(self, value: float) -> float:
         """A scale rounded to the weights' dtype first, as the reference embeddings do; a Python float,

@@ -127,8 +127,9 @@ class StepResult(NamedTuple):
 
 
 # A device drafter's function (specdec.protocol.DeviceDrafter): (tokens, context_len) -> (draft [B, k], draft_len [B]);
-# or a stateful device drafter (specdec.drafters.eagle3_jax.JaxEagle3: draft and observe over a state the
-# loop carries, its params an argument of the compiled program).
+# or a stateful device drafter (specdec.drafters.eagle3_jax.JaxEagle3, model.JaxModelDraft, mtp_jax.JaxMtp: draft
+# and observe over a state the loop carries, its params an argument of the compiled program; draft also reads
+# the target's cache, where an MTP assistant attends).
 DraftFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
@@ -165,7 +166,10 @@ class JaxEngine:
         hidden_layers: tuple[int, ...] = (),
         mesh: Mesh | None = None,
         invariant: bool = True,
+        lookahead: int = 0,
     ):
+        """`lookahead`: extra sliding-ring slots for decode forwards chained past the committed length
+        (GemmaConfig.cache_slots), for an engine that drafts (specdec.drafters.model)."""
         for layer in hidden_layers:
             if not 0 <= layer < cfg.num_layers:
                 raise SpecdecError(f"hidden layer {layer} out of range (the model has {cfg.num_layers} layers)")
@@ -180,7 +184,8 @@ class JaxEngine:
         self.buckets = (self.width,) if invariant else tuple(sorted({1, k_max + 1}))
         self.params = shard_params(params, cfg, mesh) if mesh is not None else params
         dtype = params["embed_tokens.weight"].dtype
-        cache = init_cache(cfg, batch, max_seq_len, k_max, dtype)
+        self.lookahead = lookahead
+        cache = init_cache(cfg, batch, max_seq_len, k_max, dtype, lookahead)
         self._cache_shardings = cache_shardings(cache, mesh) if mesh is not None else None
         self.cache = jax.device_put(cache, self._cache_shardings) if mesh is not None else cache
         self.lengths = jnp.zeros(batch, jnp.int32)
@@ -233,7 +238,8 @@ class JaxEngine:
             draft, draft_len = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
         elif _stateful(draft_fn):
             key, draft_key = jax.random.split(key) if not sampling.greedy else (key, key)
-            draft, draft_len, draft_probs, drafter_state = draft_fn.draft(params, draft_params, drafter_state, draft_key)
+            draft, draft_len, draft_probs, drafter_state = draft_fn.draft(params, draft_params, drafter_state, draft_key,
+                                                                          state.cache)
         else:  # the pending token at tokens[b, length[b]] ends each row's context
             draft, draft_len = draft_fn(state.tokens, state.length + 1)
             draft, draft_len = draft.astype(jnp.int32), draft_len.astype(jnp.int32)

@@ -60,8 +60,12 @@ class TorchEngine:
         cuda_graphs: bool | None = None,
         compile: bool | None = None,
         invariant: bool = True,
+        lookahead: int = 0,
     ):
+        """`lookahead`: extra sliding-ring slots for decode forwards chained past the committed length
+        (GemmaConfig.cache_slots), for an engine that drafts (specdec.drafters.model)."""
         self.model = model
+        self.lookahead = lookahead
         self.cfg = model.cfg
         self.vocab_size = model.cfg.vocab_size
         self.k_max = k_max
@@ -71,7 +75,7 @@ class TorchEngine:
         self.invariant = invariant
         self.device = model.embed_tokens.weight.device
         self.max_seq_len = max_seq_len or model.max_seq_len
-        self.cache: KVCache = model.allocate_cache(batch, k_max, self.max_seq_len)
+        self.cache: KVCache = model.allocate_cache(batch, k_max, self.max_seq_len, lookahead)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         use_compile = self.device.type == "cuda" if compile is None else compile
