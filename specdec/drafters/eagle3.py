@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specdec.drafters.stateful import StatefulDrafter, framework_of
 from specdec.errors import SpecdecError
 
 DEFAULT_DRAFT_VOCAB = 32000
@@ -312,69 +313,25 @@ def load_for_target(path: str | Path, target_cfg, fingerprint: str | None) -> Ea
     return head
 
 
-class Eagle3Drafter:
-    """An EAGLE-3 head as a drafter. `device` is the framework's drafting state (eagle3_torch.TorchEagle3 or
-    eagle3_jax.JaxEagle3); the fused cycles run it inside their compiled cycle, and this class drives the
-    same functions from the host for HostCycle (specdec.protocol.Drafter). Its verifier must return the
-    hidden states of `head.cfg.taps`, for the prompt too (`prefill_hidden`)."""
+class Eagle3Drafter(StatefulDrafter):
+    """An EAGLE-3 head as a drafter (specdec.drafters.stateful): its device state is eagle3_torch.TorchEagle3
+    or eagle3_jax.JaxEagle3. Its verifier must return the hidden states of `head.cfg.taps`, for the prompt
+    too (`prefill_hidden`)."""
+
+    needs_hidden = True
 
     def __init__(self, head: Eagle3Head, verifier, k: int, sampling):
-        self.head, self.verifier, self.k = head, verifier, k
-        self.vocab_size = head.cfg.vocab_size
+        self.head = head
         if tuple(verifier.hidden_layers) != head.cfg.taps:
             raise SpecdecError(f"the verifier returns hidden layers {verifier.hidden_layers}, the head reads {head.cfg.taps}")
-        if type(verifier).__module__.endswith("jax_engine"):
+        if framework_of(verifier) == "jax":
             from specdec.drafters.eagle3_jax import JaxEagle3
 
-            self.framework = "jax"
-            self.device = JaxEagle3(head, verifier.batch, verifier.max_seq_len, k, sampling,
-                                    verifier.params["embed_tokens.weight"].dtype)
+            device = JaxEagle3(head, verifier.batch, verifier.max_seq_len, k, sampling,
+                               verifier.params["embed_tokens.weight"].dtype)
         else:
             from specdec.drafters.eagle3_torch import TorchEagle3
 
-            self.framework = "torch"
             embed = verifier.model.embed_tokens.weight
-            self.device = TorchEagle3(head, embed, verifier.batch, verifier.max_seq_len, k, sampling, embed.dtype)
-
-    def device_draft_fn(self, framework: str, k: int):
-        """The drafting state the fused cycles run (specdec.protocol.DeviceDrafter): stateful, built for k."""
-        if framework != self.framework or k != self.k:
-            raise SpecdecError(f"this EAGLE-3 drafter was built for {self.framework} with k={self.k}")
-        return self.device
-
-    def begin(self, prompts: list[list[int]]) -> None:
-        self.lengths = [len(p) - 1 for p in prompts]
-        if self.framework == "jax":
-            self.device.begin(self.verifier.params, prompts, self.verifier.prefill_hidden)
-        else:
-            self.device.begin(prompts, self.verifier.prefill_hidden)
-
-    def propose(self, k: int) -> "Draft":
-        from specdec.protocol import Draft
-
-        if k != self.k:
-            raise SpecdecError(f"this EAGLE-3 drafter was built for k={self.k}, asked for {k}")
-        if self.framework == "jax":
-            return Draft(*self.device.host_draft(self.verifier.params))
-        import torch
-
-        with torch.inference_mode():
-            return Draft(*self.device.draft())
-
-    def observe(self, emitted: list[list[int]], hidden=None) -> None:
-        if hidden is None:
-            raise SpecdecError("the EAGLE-3 drafter needs the verifier's hidden states")
-        rows = np.zeros((len(emitted), self.k + 1), np.int64)
-        for b, tokens in enumerate(emitted):
-            rows[b, : len(tokens)] = tokens
-        count = np.array([len(t) for t in emitted])
-        start = np.array(self.lengths)
-        self.lengths = [n + c for n, c in zip(self.lengths, count)]
-        if self.framework == "jax":
-            self.device.host_observe(hidden, rows, count, start)
-            return
-        import torch
-
-        as_t = lambda a: torch.as_tensor(a, device=self.device.tokens.device)  # noqa: E731
-        with torch.inference_mode():
-            self.device.observe(hidden, as_t(rows), as_t(count), as_t(start))
+            device = TorchEagle3(head, embed, verifier.batch, verifier.max_seq_len, k, sampling, embed.dtype)
+        super().__init__(device, verifier, k, head.cfg.vocab_size, "eagle3")

@@ -1,0 +1,83 @@
+"""Drafters that keep state on the device (an EAGLE-3 head's KV cache, a small model's KV cache, an MTP
+assistant's last hidden state), seen from the host.
+
+Each such drafter is a *device state* per framework, which the fused cycles run inside their compiled cycle
+(torch's FusedCycle captures `draft` and `observe` in its CUDA graph; JAX's decode_step carries the state):
+
+  torch: begin(prompts, prompt_hidden); draft() -> (tokens [B, k], draft_len [B], probs [B, k, V] | None);
+         observe(hidden, emitted [B, k+1], count [B], start [B]); state() -> tensors a cycle advances;
+         generator (a torch.Generator when it samples, else None)
+  jax:   params, cache_key; begin(target_params, prompts, prompt_hidden) -> state;
+         draft(target_params, params, state, key, target_cache) -> (tokens, draft_len, probs | None, state);
+         observe(params, state, hidden, emitted, count, start) -> state;
+         host_draft(target_params, target_cache) / host_observe(...) over a state kept on the object
+
+`observe` follows a verify from positions `start` (the committed lengths before it) whose first `count`
+rows were kept (accepted drafts + 1; 0: the row did not advance); `hidden` are the verify's hidden states
+of the verifier's `hidden_layers`. StatefulDrafter drives the same functions from the host loop
+(specdec.generate.HostCycle), so host and fused cycles draft alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specdec.errors import SpecdecError
+from specdec.protocol import Draft
+
+
+def framework_of(verifier) -> str:
+    return "jax" if type(verifier).__module__.endswith("jax_engine") else "torch"
+
+
+class StatefulDrafter:
+    """specdec.protocol.Drafter (and DeviceDrafter) over a device state built for one verifier and k."""
+
+    needs_hidden = False  # whether observe needs the verifier's hidden states
+
+    def __init__(self, device, verifier, k: int, vocab_size: int, name: str):
+        self.device, self.verifier, self.k, self.vocab_size, self.name = device, verifier, k, vocab_size, name
+        self.framework = framework_of(verifier)
+        if vocab_size != verifier.vocab_size:
+            raise SpecdecError(f"{name}: drafter vocabulary of {vocab_size} tokens, target's {verifier.vocab_size}")
+
+    def device_draft_fn(self, framework: str, k: int):
+        """The drafting state the fused cycles run (specdec.protocol.DeviceDrafter): stateful, built for k."""
+        if framework != self.framework or k != self.k:
+            raise SpecdecError(f"this {self.name} drafter was built for {self.framework} with k={self.k}")
+        return self.device
+
+    def begin(self, prompts: list[list[int]]) -> None:
+        self.lengths = [len(p) - 1 for p in prompts]
+        if self.framework == "jax":
+            self.device.begin(self.verifier.params, prompts, self.verifier.prefill_hidden)
+        else:
+            self.device.begin(prompts, self.verifier.prefill_hidden)
+
+    def propose(self, k: int) -> Draft:
+        if k != self.k:
+            raise SpecdecError(f"this {self.name} drafter was built for k={self.k}, asked for {k}")
+        if self.framework == "jax":
+            return Draft(*self.device.host_draft(self.verifier.params, self.verifier.cache))
+        import torch
+
+        with torch.inference_mode():
+            return Draft(*self.device.draft())
+
+    def observe(self, emitted: list[list[int]], hidden=None) -> None:
+        if hidden is None and self.needs_hidden:
+            raise SpecdecError(f"the {self.name} drafter needs the verifier's hidden states")
+        rows = np.zeros((len(emitted), self.k + 1), np.int64)
+        for b, tokens in enumerate(emitted):
+            rows[b, : len(tokens)] = tokens
+        count = np.array([len(t) for t in emitted])
+        start = np.array(self.lengths)
+        self.lengths = [n + c for n, c in zip(self.lengths, count)]
+        if self.framework == "jax":
+            self.device.host_observe(hidden, rows, count, start)
+            return
+        import torch
+
+        as_t = lambda a: torch.as_tensor(a, device=self.verifier.device)  # noqa: E731
+        with torch.inference_mode():
+            self.device.observe(hidden, as_t(rows), as_t(count), as_t(start))
