@@ -15,7 +15,9 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
 
 ENGINES = ("torch", "jax")
-DRAFTERS = ("ngram", "none", "eagle3=DIR")
+DRAFTERS = ("ngram", "none", "eagle3=DIR", "model=DIR", "mtp=DIR")
+DRAFTER_DIRS = {"eagle3": "the head's directory", "model": "the drafter checkpoint's directory",
+                "mtp": "the assistant checkpoint's directory"}
 
 
 @dataclass
@@ -145,48 +147,112 @@ def warm_up(cycle, prompts: list[list[int]], k: int, engine_name: str = "torch")
 
 
 def parse_drafter(spec: str) -> tuple[str, Path | None]:
-    """"ngram", "none" or "eagle3=DIR" -> (kind, the head's directory)."""
+    """"ngram", "none", "eagle3=DIR", "model=DIR" or "mtp=DIR" -> (kind, the drafter's directory)."""
     kind, _, path = spec.partition("=")
-    if kind == "eagle3":
+    if kind in DRAFTER_DIRS:
         if not path:
-            raise SpecdecError("--drafter eagle3 needs the head's directory: eagle3=DIR")
+            raise SpecdecError(f"--drafter {kind} needs {DRAFTER_DIRS[kind]}: {kind}=DIR")
+        if not Path(path).is_dir():
+            raise SpecdecError(f"{path}: not a directory ({kind} drafter)")
         return kind, Path(path)
     if spec not in DRAFTERS:
         raise SpecdecError(f"unknown drafter {spec!r} (choose from {', '.join(DRAFTERS)})")
     return kind, None
 
 
-def drafter_taps(spec: str) -> tuple[int, ...]:
-    """The target layers whose hidden states the drafter reads (load the target with them)."""
-    kind, path = parse_drafter(spec)
-    if kind != "eagle3":
+class DrafterSource:
+    """The drafter a spec names, for one target checkpoint: its files read once (and checked against the
+    target: an EAGLE-3 head's fingerprint, a model's vocabulary and tokenizer, an assistant's shapes), then
+    built for any verifier of that target with `build(verifier, k, sampling)` (None for "none")."""
+
+    def __init__(self, spec: str, target_path: str | Path | None = None):
+        self.spec = spec
+        self.kind, self.path = parse_drafter(spec)
+        self.target_path = resolve_checkpoint(target_path) if self.kind in DRAFTER_DIRS else None
+        self._loaded: dict = {}
+
+    def _once(self, key, load):
+        if key not in self._loaded:
+            self._loaded[key] = load()
+        return self._loaded[key]
+
+    @property
+    def target_config(self) -> GemmaConfig:
+        return self._once("target_config", lambda: GemmaConfig.from_file(self.target_path / "config.json"))
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the drafter reads (load the target with them)."""
+        if self.kind == "eagle3":
+            return self.head.cfg.taps
+        if self.kind == "mtp":
+            from specdec.drafters.mtp import mtp_taps
+
+            return mtp_taps(self.target_config)
         return ()
-    from specdec.drafters.eagle3 import load_head
 
-    return load_head(path).cfg.taps
-
-
-def make_drafter(spec: str, target: Target | None = None, k: int = 0, sampling: SamplingParams = SamplingParams(),
-                 min_ngram: int = 1, max_ngram: int = 3):
-    """The drafter a spec names; an EAGLE-3 head is checked against the target (whose engine must return the
-    head's taps, see drafter_taps) and built for its engine, k and sampling."""
-    kind, path = parse_drafter(spec)
-    if kind == "none":
-        return None
-    if kind == "eagle3":
-        if target is None:
-            raise SpecdecError("an EAGLE-3 drafter needs its target")
-        from specdec.drafters.eagle3 import Eagle3Drafter, load_for_target
+    @property
+    def head(self):
+        from specdec.drafters.eagle3 import load_for_target
         from specdec.models.checkpoint import checkpoint_fingerprint
 
-        head = load_for_target(path, target.config, checkpoint_fingerprint(target.path))
-        if tuple(target.engine.hidden_layers) != head.cfg.taps:
-            raise SpecdecError(f"{path}: the target was loaded without the head's hidden layers {list(head.cfg.taps)}"
-                               " (load it with hidden_layers=specdec.api.drafter_taps(spec))")
-        return Eagle3Drafter(head, target.engine, k, sampling)
-    from specdec.drafters.ngram import NgramDrafter
+        return self._once("head", lambda: load_for_target(self.path, self.target_config,
+                                                          checkpoint_fingerprint(self.target_path)))
 
-    return NgramDrafter(min_ngram=min_ngram, max_ngram=max_ngram)
+    @property
+    def assistant(self):
+        from specdec.drafters.mtp import load_assistant
+
+        def load():
+            assistant = load_assistant(self.path)
+            assistant.check_target(self.target_config, str(self.path))
+            return assistant
+
+        return self._once("assistant", load)
+
+    def build(self, verifier, k: int, sampling: SamplingParams = SamplingParams()):
+        if self.kind == "none":
+            return None
+        if self.kind == "ngram":
+            from specdec.drafters.ngram import NgramDrafter
+
+            return NgramDrafter()
+        if tuple(verifier.hidden_layers) != self.taps:
+            raise SpecdecError(f"{self.path}: the target was loaded without the drafter's hidden layers {list(self.taps)}"
+                               " (load it with hidden_layers=specdec.api.DrafterSource(spec, target).taps)")
+        if self.kind == "eagle3":
+            from specdec.drafters.eagle3 import Eagle3Drafter
+
+            return Eagle3Drafter(self.head, verifier, k, sampling)
+        if self.kind == "mtp":
+            from specdec.drafters.mtp import MtpDrafter
+
+            return MtpDrafter(self.assistant, verifier, k, sampling)
+        from specdec.drafters.model import ModelDrafter, check_same_tokenizer, drafter_engine, load_source
+
+        check_same_tokenizer(self.path, self.target_path)
+        weights = self._once(("model", _framework_key(verifier)), lambda: load_source(self.path, verifier))
+        # one drafter engine per verifier, shared by its drafters of every k (and their compiled programs)
+        engine = self._once(("engine", id(verifier)), lambda: drafter_engine(weights, verifier))
+        return ModelDrafter(engine, verifier, k, sampling)
+
+
+def _framework_key(verifier):
+    """Verifiers whose drafter weights can be shared: same framework, dtype and device."""
+    if hasattr(verifier, "model"):
+        return "torch", verifier.model.dtype, str(verifier.device)
+    return "jax", str(verifier.params["embed_tokens.weight"].dtype)
+
+
+def drafter_taps(spec: str, target: str | Path | None = None) -> tuple[int, ...]:
+    """The target layers whose hidden states the drafter reads (load the target with them)."""
+    return DrafterSource(spec, target).taps
+
+
+def make_drafter(spec: str, target: Target, k: int = 0, sampling: SamplingParams = SamplingParams()):
+    """The drafter a spec names, built for the target's engine, k and sampling (its engine must return the
+    drafter's taps, see drafter_taps)."""
+    return DrafterSource(spec, target.path).build(target.engine, k, sampling)
 
 
 def generate(
@@ -210,7 +276,7 @@ def generate(
     apart."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not isinstance(target, Target):
-        target = load(target, batch=len(prompts), k_max=max(k, 0), hidden_layers=drafter_taps(drafter))
+        target = load(target, batch=len(prompts), k_max=max(k, 0), hidden_layers=drafter_taps(drafter, target))
     tok = target.tokenizer
     if chat:
         if not tok.has_chat_template:

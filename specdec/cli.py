@@ -50,7 +50,7 @@ def user_errors(fn):
 def generate(
     prompt: str = typer.Argument(..., help="completion prompt (or the user turn with --chat)"),
     target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
-    drafter: str = typer.Option("ngram", help="ngram | none | eagle3=DIR (an EAGLE-3 head trained for this target)"),
+    drafter: str = typer.Option("ngram", help="ngram | none | eagle3=DIR (an EAGLE-3 head trained for this target) | model=DIR (a Gemma of the target's tokenizer) | mtp=DIR (a Gemma 4 assistant)"),
     engine: str = typer.Option("torch", help="torch | jax"),
     k: int = typer.Option(4, "-k", "--k", help="draft tokens per cycle"),
     max_new_tokens: int = typer.Option(128, help="tokens to generate at most"),
@@ -84,7 +84,7 @@ def generate(
     from specdec.api import drafter_taps
 
     loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=max(k, 1), max_seq_len=max_seq_len,
-                          invariant=invariant, compile=compile, hidden_layers=drafter_taps(drafter))
+                          invariant=invariant, compile=compile, hidden_layers=drafter_taps(drafter, target))
     out = sys.stdout
     out.write(prompt)
     out.flush()
@@ -112,9 +112,9 @@ def validate(
     prompts: Optional[Path] = typer.Option(None, help="run every gate per prompt: JSONL with a 'prompt' field, or text with one prompt per line"),
     tokens: Optional[int] = typer.Option(None, help="tokens per decode [default: 640 on CUDA (past the sliding-window ring wrap), 48 on CPU]"),
     k_max: int = typer.Option(8, help="greedy and self-draft gates run K = 1 .. k_max"),
-    drafter: str = typer.Option("ngram", help="the greedy gates' drafter: ngram | eagle3=DIR (also gates its sampled drafts end to end)"),
+    drafter: str = typer.Option("ngram", help="the greedy gates' drafter: ngram | eagle3=DIR | model=DIR | mtp=DIR (these three also gate their sampled drafts end to end)"),
     draws: int = typer.Option(100_000, help="draws per case of the sampling gate"),
-    sampled_rows: int = typer.Option(2000, help="rows (draws) of the end-to-end sampled gate of an EAGLE-3 head"),
+    sampled_rows: int = typer.Option(2000, help="rows (draws) of the end-to-end sampled gate of an eagle3, model or mtp drafter"),
     self_draft: bool = typer.Option(True, help="run the self-draft gate (the target as its own drafter)"),
     invariant: bool = typer.Option(True, help="row-invariant forwards; without them greedy gates can fail at near-ties"),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (torch engine)"),
@@ -128,7 +128,7 @@ def validate(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specdec import gates
-    from specdec.api import parse_drafter, resolve_checkpoint
+    from specdec.api import DRAFTER_DIRS, DrafterSource, resolve_checkpoint
     from specdec.evidence import git_commit, now_utc
     from specdec.models.tokenizer import Tokenizer
 
@@ -145,24 +145,15 @@ def validate(
     if not invariant:
         err.print("[yellow]invariant forwards off: speculative output can differ from plain decoding at "
                   "floating-point near-ties, and the greedy gates then fail[/yellow]")
-    kind, _ = parse_drafter(drafter)
-    head = None
-    if kind == "eagle3":
-        from specdec.drafters.eagle3 import Eagle3Drafter, load_for_target
-        from specdec.models.checkpoint import checkpoint_fingerprint
-        from specdec.models.config import GemmaConfig
-        from specdec.sampling import SamplingParams
-
-        head = load_for_target(drafter.partition("=")[2], GemmaConfig.from_file(path / "config.json"),
-                               checkpoint_fingerprint(path))
-    factory = (lambda verifier, k: Eagle3Drafter(head, verifier, k, SamplingParams())) if head else None
+    source = DrafterSource(drafter, path)
+    stateful = source.kind in DRAFTER_DIRS  # gated end to end with sampled drafts too
+    factory = (lambda verifier, k: source.build(verifier, k)) if stateful else None
     eut, batch_engines = [], []
     for name in engines:
-        units, batch_engine = _gate_engines(name, path, device, dtype, k_max, context, invariant,
-                                            head.cfg.taps if head else ())
+        units, batch_engine = _gate_engines(name, path, device, dtype, k_max, context, invariant, source.taps)
         eut += units
         batch_engines.append(batch_engine)
-    steps = sum(2 + (self_draft and e.name.startswith("torch")) for e in eut) * len(texts) + len(engines) * (1 + bool(head))
+    steps = sum(2 + (self_draft and e.name.startswith("torch")) for e in eut) * len(texts) + len(engines) * (1 + stateful)
     results: list[tuple[int | None, gates.GateResult]] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
@@ -175,15 +166,15 @@ def validate(
             for result in gates.model_gates(eut, ids, tokens, k_max, self_draft,
                                             progress=lambda m, i=i: (step(f"prompt {i + 1}/{len(texts)} · {m}"),
                                                                      bar.advance(task)),
-                                            drafter_factory=factory, drafter_name=kind):
+                                            drafter_factory=factory, drafter_name=source.kind):
                 results.append((i, result))
         for framework, batch_engine in zip(engines, batch_engines):
             step(f"{framework}: sampling rule, {draws} draws per case")
             results += [(None, r) for r in gates.gate_sampling(framework, draws=draws)]
             bar.advance(task)
-            if head is not None:
-                step(f"{framework}: EAGLE-3 sampled drafts end to end, {sampled_rows} draws")
-                results.append((None, gates.gate_sampled_eagle3(batch_engine(sampled_rows), head, prompt_ids[0])))
+            if stateful:
+                step(f"{framework}: {source.kind} drafter's sampled drafts end to end, {sampled_rows} draws")
+                results.append((None, gates.gate_sampled_drafter(batch_engine(sampled_rows), source.build, prompt_ids[0])))
                 bar.advance(task)
     _print_gate_tables(texts, results)
     record = {

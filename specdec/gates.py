@@ -437,8 +437,8 @@ def gate_self_draft(eut: EngineUnderTest, prompt: list[int], n_tokens: int, ks=r
     plain = eut.plain_decode(eut.make(), prompt, n_tokens)
     results = []
     for k in ks:
-        drafter = ModelDrafter(eut.make("drafter"))
-        gen = speculative_generate(eut.make(), drafter, [prompt], k, StopCondition(n_tokens))
+        target = eut.make()
+        gen = speculative_generate(target, ModelDrafter(target, target, k), [prompt], k, StopCondition(n_tokens))
         s, tokens = gen.stats, gen.tokens[0]
         detail = {"engine": eut.name, "k": k, "acceptance": s.acceptance_rate, "tau": s.tau, "cycles": s.cycles,
                   "rejections": len(s.rejected_at), "output_unchanged": tokens == plain}
@@ -554,14 +554,13 @@ def model_gates(engines: list[EngineUnderTest], prompt: list[int], n_tokens: int
     return results
 
 
-def gate_sampled_eagle3(engine, head, prompt: list[int], k: int = 2,
-                        params: SamplingParams = SamplingParams(0.7, top_k=8)) -> GateResult:
-    """gate_sampled_speculation on the fused cycle a user runs with an EAGLE-3 head: drafts sampled by the
-    head, their probabilities handed to the rule. `engine` is a batch engine (one row per draw) returning
-    the head's taps."""
-    from specdec.drafters.eagle3 import Eagle3Drafter
-
-    drafter = Eagle3Drafter(head, engine, k, params)
+def gate_sampled_drafter(engine, build, prompt: list[int], k: int = 2,
+                         params: SamplingParams = SamplingParams(0.7, top_k=8)) -> GateResult:
+    """gate_sampled_speculation on the fused cycle a user runs with a stateful drafter (EAGLE-3 head, model,
+    MTP assistant): drafts sampled by it, their probabilities handed to the rule. `engine` is a batch engine
+    (one row per draw) returning the drafter's taps; `build(engine, k, params)` makes the drafter
+    (specdec.api.DrafterSource.build)."""
+    drafter = build(engine, k, params)
     if drafter.framework == "jax":
         from specdec.verifiers.jax_engine import JaxFusedCycle as Cycle
     else:
@@ -569,4 +568,4 @@ def gate_sampled_eagle3(engine, head, prompt: list[int], k: int = 2,
     # Two tokens a row are all the gate reads: JAX runs one cycle per call, not 8.
     extra = {"cycles_per_call": 1} if drafter.framework == "jax" else {}
     cycle = Cycle(engine, drafter.device_draft_fn(drafter.framework, k), k, params, **extra)
-    return gate_sampled_speculation(cycle, prompt, k, params, f"{drafter.framework}/eagle3")
+    return gate_sampled_speculation(cycle, prompt, k, params, f"{drafter.framework}/{drafter.name}")

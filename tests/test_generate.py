@@ -1,6 +1,7 @@
 """The speculative loop on the PyTorch engine: lossless against plain decode, stop conditions, stats."""
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def plain(model, prompt, n):
 @pytest.mark.parametrize("k", [0, 1, 3, 8])
 def test_self_draft_is_lossless_and_accepts_everything(model, k):
     target = TorchEngine(model, batch=2, max_seq_len=256, k_max=8)
-    drafter = ModelDrafter(TorchEngine(model, batch=2, max_seq_len=256, k_max=8))
+    drafter = ModelDrafter(model, target, k) if k else None
     gen = speculative_generate(target, drafter, PROMPTS, k, StopCondition(40))
     for prompt, tokens in zip(PROMPTS, gen.tokens):
         assert tokens == plain(model, prompt, 40)
@@ -42,7 +43,7 @@ def test_stop_inside_accepted_draft(model):
     eos = reference[10]
     first = reference.index(eos)
     target = TorchEngine(model, batch=1, max_seq_len=256, k_max=8)
-    drafter = ModelDrafter(TorchEngine(model, batch=1, max_seq_len=256, k_max=8))
+    drafter = ModelDrafter(model, target, 8)
     gen = speculative_generate(target, drafter, PROMPTS[:1], 8, StopCondition(40, eos_ids=[eos]))
     assert gen.tokens[0] == reference[: first + 1]
     gen = speculative_generate(target, drafter, PROMPTS[:1], 8, StopCondition(13))
@@ -54,7 +55,7 @@ def test_stop_strings(model):
     decode = lambda ids: " ".join(map(str, ids))  # noqa: E731  a toy detokenizer
     stop_at = decode(reference[6:8])
     target = TorchEngine(model, batch=1, max_seq_len=256, k_max=8)
-    drafter = ModelDrafter(TorchEngine(model, batch=1, max_seq_len=256, k_max=8))
+    drafter = ModelDrafter(model, target, 4)
     gen = speculative_generate(target, drafter, PROMPTS[:1], 4, StopCondition(30, stop_strings=[stop_at], decode=decode))
     assert gen.tokens[0] == reference[:8]
 
@@ -63,7 +64,7 @@ def test_sampled_runs_reproduce_per_seed(model):
     def run(seed):
         sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
         target = TorchEngine(model, batch=2, max_seq_len=256, k_max=8)
-        drafter = ModelDrafter(TorchEngine(model, batch=2, max_seq_len=256, k_max=8), sampling)
+        drafter = ModelDrafter(model, target, 3, sampling)
         return speculative_generate(target, drafter, PROMPTS, 3, StopCondition(30), sampling).tokens
 
     assert run(1) == run(1)
@@ -76,9 +77,10 @@ def test_bad_k_and_vocab(model, random_checkpoints):
         speculative_generate(target, None, PROMPTS[:1], 5, StopCondition(5))
     other = GemmaModel.from_checkpoint(random_checkpoints["gemma3"], max_seq_len=256)
     other.cfg = dataclasses.replace(other.cfg, vocab_size=1000)
-    drafter = ModelDrafter(TorchEngine(other, batch=1, max_seq_len=256))
+    with pytest.raises(SpecdecError, match=r"model: drafter vocabulary of 1000 tokens, target's 512"):
+        ModelDrafter(other, target, 2)
     with pytest.raises(SpecdecError, match=r"drafter vocabulary \(1000\) differs from the target's \(512\)"):
-        speculative_generate(target, drafter, PROMPTS[:1], 2, StopCondition(5))
+        speculative_generate(target, types.SimpleNamespace(vocab_size=1000), PROMPTS[:1], 2, StopCondition(5))
 
 
 def test_fused_ngram_cycle_matches_the_host_loop(model):

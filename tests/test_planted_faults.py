@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specdec import gates
-from specdec.drafters.model import ModelDrafter
+from specdec.drafters.model import ModelDrafter, TorchModelDraft
 from specdec.generate import HostCycle
 from specdec.models.torch_gemma import GemmaModel
 from specdec.sampling import SamplingParams
@@ -62,7 +62,7 @@ def test_self_draft_gate_catches_a_wrong_draft(eager, monkeypatch):
     honest = gates.gate_self_draft(eager, PROMPT, 40, ks=[3])
     assert honest[0].passed, honest[0].detail
     calls = []
-    choose = ModelDrafter._choose
+    choose = TorchModelDraft._choose
 
     def sometimes_second_best(self, logits):
         calls.append(1)
@@ -70,7 +70,7 @@ def test_self_draft_gate_catches_a_wrong_draft(eager, monkeypatch):
             return logits.topk(2, dim=-1).indices[:, 1], None
         return choose(self, logits)
 
-    monkeypatch.setattr(ModelDrafter, "_choose", sometimes_second_best)
+    monkeypatch.setattr(TorchModelDraft, "_choose", sometimes_second_best)
     (result,) = gates.gate_self_draft(eager, PROMPT, 40, ks=[3])
     assert not result.passed
     assert result.detail["rejections"] > 0 and result.detail["acceptance"] < 1.0
@@ -97,7 +97,7 @@ def sampled_speculation(random_checkpoints, drafter_cls=ModelDrafter):
     path = random_checkpoints["gemma4_e"]
     target_model = GemmaModel.from_checkpoint(path, max_seq_len=32)
     target = TorchEngine(target_model, batch=DRAWS, max_seq_len=32, k_max=3)
-    drafter = drafter_cls(TorchEngine(perturbed(target_model, path), batch=DRAWS, max_seq_len=32, k_max=3), SAMPLING)
+    drafter = drafter_cls(perturbed(target_model, path), target, 2, SAMPLING)
     cycle = HostCycle(target, drafter, 2, SamplingParams(SAMPLING.temperature, SAMPLING.top_k, seed=0))
     return gates.gate_sampled_speculation(cycle, PROMPT, 2, SAMPLING, "torch/model_drafter")
 

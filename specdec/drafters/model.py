@@ -1,78 +1,293 @@
-"""A small-model drafter: a Gemma of the same vocabulary (e.g. Gemma 4 E4B for 31B, or the target itself
-for the self-draft gate) proposes k tokens autoregressively on its own engine.
+"""A small-model drafter: a Gemma of the target's vocabulary and tokenizer (e.g. Gemma 4 E4B for the 31B, or
+the target itself for the self-draft gate) proposes k tokens autoregressively with its own KV cache, on the
+target's device and framework, fused into the cycle (specdec.drafters.stateful).
 
-The drafter's KV cache holds each row's context; after a cycle, the drafts the target accepted are
-already in it, so the next proposal feeds only the tokens it has not seen (one or two) before drafting.
+The drafter runs on an engine of its own (`drafter_engine`): the same decode forward as a verifier,
+row-invariant at the target's width, so a model drafting for itself computes bitwise the target's logits
+and every draft is accepted. Per row it keeps the tokens to catch up on before drafting:
+
+- A cycle feeds [pending] and, when the verify accepted every draft, the last draft too (the one token the
+  drafter proposed but never fed): 1 or 2 tokens from position `start`, `count` of them real. The logits of
+  the last real one give the first draft; k - 1 single-token steps chain the rest.
+- The drafts the target accepts are already in the drafter's cache, written by the steps that proposed the
+  next ones; a rejected draft's keys/values lie past the context and are overwritten before anything reads
+  them (each decode forward writes its positions first and attends to positions <= its own).
+- Chained steps write up to k positions past the drafter's context, so its sliding-window ring holds k_max
+  more slots (`lookahead`) than a verifier's. Positions are clamped at the end of the context, where only the
+  last drafts' quality can suffer, never the output.
 """
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
-from specdec.acceptance.torch_rule import warp_probs
-from specdec.protocol import Draft
+from specdec.drafters.stateful import StatefulDrafter, framework_of
+from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
-from specdec.verifiers.torch_engine import TorchEngine
+
+CATCH_UP = 2  # tokens a cycle feeds the drafter before drafting: pending, and the last draft when all were accepted
 
 
-class ModelDrafter:
-    def __init__(self, engine: TorchEngine, sampling: SamplingParams = SamplingParams()):
-        self.engine = engine
-        self.vocab_size = engine.vocab_size
-        self.sampling = sampling
-        self.generator = None
-        if not sampling.greedy:
-            self.generator = torch.Generator(device=engine.device)
-            self.generator.manual_seed((sampling.seed or 0) + 1)  # independent of the acceptance stream
-        self.context: list[list[int]] = []
-        self.cached: list[int] = []  # tokens of each row's context that sit in the drafter's cache
-        self.drafted: list[list[int]] = []  # last proposal per row, the part fed into the cache
+def load_source(path: Path, verifier):
+    """The drafter checkpoint's weights in the verifier's framework, dtype and device: a torch GemmaModel, or
+    (cfg, params) for JAX."""
+    if framework_of(verifier) == "jax":
+        from specdec.models.jax_gemma import load_params
 
-    def begin(self, prompts: list[list[int]]) -> None:
-        self.engine.prefill(prompts)
-        self.context = [list(p) for p in prompts]
-        self.cached = [len(p) - 1 for p in prompts]
-        self.drafted = [[] for _ in prompts]
+        return load_params(path, verifier.params["embed_tokens.weight"].dtype)
+    from specdec.models.torch_gemma import GemmaModel
 
-    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.sampling.greedy:
+    return GemmaModel.from_checkpoint(path, dtype=verifier.model.dtype, device=str(verifier.device),
+                                      max_seq_len=verifier.max_seq_len)
+
+
+def drafter_engine(source, verifier):
+    """The drafter's own engine beside `verifier`: same batch, context, k_max and decode width, ring slots for
+    chained draft steps. `source`: what load_source returns, or an engine: one built here for this verifier is
+    used as it is (drafters of every k share it), any other (the target drafting for itself) lends its weights."""
+    from_engine = hasattr(source, "lookahead")
+    if from_engine and (source.batch, source.max_seq_len, source.k_max, source.lookahead, source.invariant) == (
+            verifier.batch, verifier.max_seq_len, verifier.k_max, verifier.k_max, verifier.invariant):
+        return source
+    settings = dict(batch=verifier.batch, max_seq_len=verifier.max_seq_len, k_max=verifier.k_max,
+                    invariant=verifier.invariant, lookahead=verifier.k_max)
+    if framework_of(verifier) == "jax":
+        from specdec.verifiers.jax_engine import JaxEngine
+
+        cfg, params = (source.cfg, source.params) if from_engine else source
+        return JaxEngine(cfg, params, **settings)
+    from specdec.verifiers.torch_engine import TorchEngine
+
+    compiled = verifier._model_fn != verifier.model.forward
+    return TorchEngine(source.model if from_engine else source, cuda_graphs=False, compile=compiled, **settings)
+
+
+class ModelDrafter(StatefulDrafter):
+    """A small Gemma drafting for `verifier` (specdec.protocol.Drafter and DeviceDrafter). `source`: what
+    drafter_engine takes (the drafter's weights in the verifier's framework)."""
+
+    def __init__(self, source, verifier, k: int, sampling: SamplingParams = SamplingParams()):
+        engine = drafter_engine(source, verifier)
+        if framework_of(verifier) == "jax":
+            device = JaxModelDraft(engine, k, sampling)
+        else:
+            device = TorchModelDraft(engine, k, sampling)
+        super().__init__(device, verifier, k, engine.vocab_size, "model")
+
+
+def check_same_tokenizer(drafter_dir: Path, target_dir: Path) -> None:
+    """Refuse a drafter whose vocabulary or tokenizer differs from the target's, naming both."""
+    import hashlib
+
+    from specdec.models.config import GemmaConfig
+
+    vocab = {d: GemmaConfig.from_file(d / "config.json").vocab_size for d in (drafter_dir, target_dir)}
+    if vocab[drafter_dir] != vocab[target_dir]:
+        raise SpecdecError(f"drafter {drafter_dir} has a vocabulary of {vocab[drafter_dir]} tokens, "
+                           f"target {target_dir} of {vocab[target_dir]}")
+    files = [d / "tokenizer.json" for d in (drafter_dir, target_dir)]
+    if not all(f.is_file() for f in files) or files[0].read_bytes() == files[1].read_bytes():
+        return
+
+    def vocab_digest(file: Path) -> str:  # the same vocabulary, whatever else the files' JSON holds
+        import json
+
+        vocab = json.loads(file.read_text()).get("model", {}).get("vocab")
+        return hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest()
+
+    if vocab_digest(files[0]) != vocab_digest(files[1]):
+        raise SpecdecError(f"drafter {drafter_dir} and target {target_dir} have different tokenizers")
+
+
+# -- torch ------------------------------------------------------------------------------------------------
+
+
+class TorchModelDraft:
+    """The drafter's device state for torch's FusedCycle (specdec.drafters.stateful): its engine's cache, and
+    per row the tokens to catch up on ([B, 2]), their first position and how many are real."""
+
+    def __init__(self, engine, k: int, sampling: SamplingParams = SamplingParams()):
+        import torch
+
+        self.engine, self.k, self.sampling = engine, k, sampling
+        B, device = engine.batch, engine.device
+        self.tokens = torch.zeros(B, CATCH_UP, dtype=torch.long, device=device)
+        self.start = torch.zeros(B, dtype=torch.long, device=device)
+        self.count = torch.ones(B, dtype=torch.long, device=device)
+        self.generator = None if sampling.greedy else torch.Generator(device=device)
+
+    def state(self):
+        """What a cycle advances (the cache is written only past the context: rolled back like the target's)."""
+        return [self.tokens, self.start, self.count]
+
+    def begin(self, prompts: list[list[int]], prompt_hidden=None) -> None:
+        """Prefill the drafter's cache with each prompt but its last token, which it catches up on first."""
+        import torch
+
+        from specdec.drafters.eagle3 import draft_seed
+
+        if self.generator is not None:
+            self.generator.manual_seed(draft_seed(self.sampling.seed))
+        with torch.inference_mode():
+            self.engine.prefill(prompts)
+        device = self.tokens.device
+        self.tokens.zero_()
+        self.tokens[:, 0] = torch.tensor([p[-1] for p in prompts], device=device)
+        self.start.copy_(torch.tensor([len(p) - 1 for p in prompts], device=device))
+        self.count.fill_(1)
+
+    def _logits(self, tokens, start):
+        """The drafter's decode forward of tokens [B, T] from positions start [B] -> float32 logits [B, T, V]."""
+        engine = self.engine
+        engine.lengths.copy_(start.clamp(max=engine.max_seq_len - engine.width))
+        return engine._forward(engine.pad(tokens)).logits
+
+    def _choose(self, logits):
+        """-> (token [B], its distribution [B, V] when sampled else None); greedy ties go to the lowest id."""
+        from specdec.acceptance.torch_rule import _sample, warp_probs
+
+        if self.generator is None:
             return logits.argmax(dim=-1), None
-        probs = warp_probs(logits, self.sampling)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1), probs
+        q = warp_probs(logits, self.sampling)
+        return _sample(q, self.generator), q
 
-    def propose(self, k: int) -> Draft:
-        engine, device = self.engine, self.engine.device
-        batch = len(self.context)
-        feeds = [ctx[n:] for ctx, n in zip(self.context, self.cached)]
-        width = max(len(f) for f in feeds)
-        tokens = torch.tensor([f + [0] * (width - len(f)) for f in feeds], dtype=torch.long, device=device)
-        feed_len = torch.tensor([len(f) for f in feeds], dtype=torch.long, device=device)
-        engine.lengths.copy_(torch.tensor(self.cached, device=device))
-        logits = engine.verify(tokens).logits  # rows past a row's feed are padding: stale, never read
-        last = logits.gather(1, (feed_len - 1)[:, None, None].expand(batch, 1, logits.shape[-1])).squeeze(1)
-        engine.commit(feed_len)
+    def draft(self):
+        """-> (draft [B, k], draft_len [B], draft probs [B, k, V] when sampled else None)."""
+        import torch
+
+        rows = torch.arange(self.engine.batch, device=self.tokens.device)
+        last = self._logits(self.tokens, self.start)[rows, self.count - 1]
+        position = self.start + self.count - 1
         drafts, probs = [], []
-        for i in range(k):
-            token, p = self._choose(last)
+        for j in range(self.k):
+            token, q = self._choose(last)
             drafts.append(token)
-            probs.append(p)
-            if i + 1 < k:
-                last = engine.verify(token[:, None]).logits[:, -1]
-                engine.commit(torch.ones_like(feed_len))
-        draft_tokens = torch.stack(drafts, dim=1)
-        self.drafted = draft_tokens[:, : k - 1].tolist()
-        self.cached = [len(ctx) for ctx in self.context]
-        return Draft(
-            draft_tokens,
-            torch.full((batch,), k, dtype=torch.long, device=device),
-            None if self.sampling.greedy else torch.stack(probs, dim=1),
-        )
+            probs.append(q)
+            if j + 1 < self.k:
+                position = position + 1
+                last = self._logits(token[:, None], position)[:, 0]
+        draft_len = torch.full_like(self.count, self.k)
+        return torch.stack(drafts, dim=1), draft_len, (torch.stack(probs, dim=1) if self.generator is not None else None)
 
-    def observe(self, emitted: list[list[int]], hidden=None) -> None:
-        for b, new in enumerate(emitted):
-            fed = self.drafted[b]
-            still_valid = 0  # drafts in the cache that the target kept, in order
-            while still_valid < min(len(fed), len(new)) and fed[still_valid] == new[still_valid]:
-                still_valid += 1
-            self.cached[b] += still_valid
-            self.context[b].extend(new)
+    def observe(self, hidden, emitted, count, start) -> None:
+        """Next to catch up on: the tokens the drafter has not fed, from position start + fed + 1, where `fed`
+        of the kept drafts were fed while drafting (all but the last)."""
+        import torch
+
+        fed = (count - 1).clamp(min=0, max=self.k - 1)
+        index = (fed[:, None] + torch.arange(CATCH_UP, device=count.device)).clamp(max=self.k)
+        moved = count > 0
+        self.tokens.copy_(torch.where(moved[:, None], emitted.gather(1, index), self.tokens))
+        self.start.copy_(torch.where(moved, start + fed + 1, self.start))
+        self.count.copy_(torch.where(moved, count - fed, self.count))
+
+
+# -- JAX --------------------------------------------------------------------------------------------------
+
+
+class JaxModelDraft:
+    """The drafter's device state for the JAX engine's decode loop (specdec.drafters.stateful): a pytree of
+    the drafter's cache and, per row, the tokens to catch up on (as TorchModelDraft); its params are a jit
+    argument."""
+
+    def __init__(self, engine, k: int, sampling: SamplingParams = SamplingParams()):
+        import jax
+
+        self.engine, self.k, self.sampling = engine, k, sampling
+        self.params = engine.params
+        self.state = None
+        self._key = None
+        self._host_draft = jax.jit(self.draft, donate_argnums=2)
+        self._host_observe = jax.jit(self.observe, donate_argnums=1)
+
+    @property
+    def cache_key(self):
+        """Equal for drafters whose compiled programs are interchangeable (the engine shares them)."""
+        import dataclasses
+
+        return ("model", id(self.engine), self.k, dataclasses.replace(self.sampling, seed=None))
+
+    def begin(self, target_params, prompts: list[list[int]], prompt_hidden=None) -> dict:
+        """Prefill the drafter's cache (a fresh one when the last decode loop consumed it) and start the state."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from specdec.drafters.eagle3 import draft_seed
+        from specdec.models.jax_gemma import init_cache
+
+        engine = self.engine
+        if engine.cache is None or any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.cache)):
+            engine.cache = init_cache(engine.cfg, engine.batch, engine.max_seq_len, engine.k_max,
+                                      engine.params["embed_tokens.weight"].dtype, engine.lookahead)
+        engine.prefill(prompts)
+        tokens = np.zeros((engine.batch, CATCH_UP), np.int32)
+        tokens[:, 0] = [p[-1] for p in prompts]
+        self.state = {"cache": engine.cache, "tokens": jnp.asarray(tokens),
+                      "start": jnp.asarray([len(p) - 1 for p in prompts], jnp.int32),
+                      "count": jnp.ones(engine.batch, jnp.int32)}
+        self._key = jax.random.PRNGKey(draft_seed(self.sampling.seed))
+        return self.state
+
+    def draft(self, target_params, params, state, key, target_cache=None):
+        """-> (draft [B, k], draft_len [B], draft probs [B, k, V] when sampled else None, state)."""
+        import jax
+        import jax.numpy as jnp
+
+        from specdec.acceptance.jax_rule import warp_probs
+
+        engine = self.engine
+        cache = state["cache"]
+
+        def logits_of(tokens, start):
+            nonlocal cache
+            start = jnp.minimum(start, engine.max_seq_len - engine.width)
+            logits, _, cache = engine._decode_forward(params, cache, engine._pad(tokens), start)
+            return logits
+
+        rows = jnp.arange(engine.batch)
+        last = logits_of(state["tokens"], state["start"])[rows, state["count"] - 1]
+        position = state["start"] + state["count"] - 1
+        drafts, probs = [], []
+        for j in range(self.k):
+            if self.sampling.greedy:
+                token = jnp.argmax(last, axis=-1).astype(jnp.int32)
+            else:
+                key, draw = jax.random.split(key)
+                q = warp_probs(last, self.sampling)
+                token = jax.random.categorical(draw, jnp.log(q), axis=-1).astype(jnp.int32)
+                probs.append(q)
+            drafts.append(token)
+            if j + 1 < self.k:
+                position = position + 1
+                last = logits_of(token[:, None], position)[:, 0]
+        draft_len = jnp.full((engine.batch,), self.k, jnp.int32)
+        return jnp.stack(drafts, axis=1), draft_len, (jnp.stack(probs, axis=1) if probs else None), dict(state, cache=cache)
+
+    def observe(self, params, state, hidden, emitted, count, start):
+        """As TorchModelDraft.observe."""
+        import jax.numpy as jnp
+
+        count, start = count.astype(jnp.int32), start.astype(jnp.int32)
+        fed = jnp.clip(count - 1, 0, self.k - 1)
+        index = jnp.minimum(fed[:, None] + jnp.arange(CATCH_UP, dtype=jnp.int32), self.k)
+        moved = count > 0
+        tokens = jnp.take_along_axis(emitted.astype(jnp.int32), index, axis=1)
+        return dict(state, tokens=jnp.where(moved[:, None], tokens, state["tokens"]),
+                    start=jnp.where(moved, start + fed + 1, state["start"]),
+                    count=jnp.where(moved, count - fed, state["count"]))
+
+    # -- the host-driven cycle (HostCycle through ModelDrafter) ---------------------------------------------
+
+    def host_draft(self, target_params, target_cache=None):
+        import jax
+
+        self._key, key = jax.random.split(self._key)
+        draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state, key)
+        return draft, draft_len, probs
+
+    def host_observe(self, hidden, emitted, count, start) -> None:
+        import jax.numpy as jnp
+
+        self.state = self._host_observe(self.params, self.state, hidden, jnp.asarray(emitted), jnp.asarray(count),
+                                        jnp.asarray(start))
