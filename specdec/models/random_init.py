@@ -104,3 +104,72 @@ def _write_multimodal(out_dir: Path, seed: int) -> Path:
 
 def all_variants() -> list[str]:
     return [*VARIANTS, MULTIMODAL_VARIANT]
+
+
+# -- Gemma 4 MTP assistants ---------------------------------------------------------------------------------
+
+ASSISTANT_HIDDEN = 32
+_ASSISTANT_SHAPES = ("num_key_value_heads", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v")
+
+
+def assistant_buildable():
+    """A context in which transformers can build a Gemma 4 assistant. transformers 5.23's
+    Gemma4TextConfig.kv_sharing_modes raises when every layer is KV-shared (none is left to produce a
+    cache of its kind), which every assistant is; inside, such a config reads 'reuse' for every layer, as
+    the assistant's layers are (they read the target's KV states)."""
+    import contextlib
+
+    from transformers import Gemma4TextConfig
+
+    @contextlib.contextmanager
+    def patched():
+        original = Gemma4TextConfig.kv_sharing_modes
+
+        def modes(config):
+            if config.num_kv_shared_layers == config.num_hidden_layers:
+                return ["reuse"] * config.num_hidden_layers
+            return original.fget(config)
+
+        Gemma4TextConfig.kv_sharing_modes = property(modes)
+        try:
+            yield
+        finally:
+            Gemma4TextConfig.kv_sharing_modes = original
+
+    return patched()
+
+
+def write_random_assistant(target_variant: str, out_dir: str | Path, seed: int = 0,
+                           ordered_embeddings: bool = False) -> Path:
+    """Write a transformers Gemma4AssistantForCausalLM drafting for a Gemma 4 variant: 2 layers (sliding,
+    full) of hidden size 32 whose query heads fit the variant's KV layers; with `ordered_embeddings`, 32
+    centroids of which 4 are kept and a seeded random token ordering. Every float tensor redrawn as
+    `build_hf_model` does."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    target = VARIANTS[target_variant]
+    if target["family"] != "gemma4":
+        raise ValueError(f"assistants draft for Gemma 4 targets, not {target_variant}")
+    shapes = {key: target[key] for key in _ASSISTANT_SHAPES if key in target}
+    text = dict(_COMMON, hidden_size=ASSISTANT_HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                layer_types=[SLIDING, FULL], hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, **shapes)
+    ordered = dict(num_centroids=32, centroid_intermediate_top_k=4) if ordered_embeddings else {}
+    config = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**text), backbone_hidden_size=_COMMON["hidden_size"],
+                                   use_ordered_embeddings=ordered_embeddings, **ordered)
+    with assistant_buildable():
+        model = Gemma4AssistantForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if not t.is_floating_point() or "inv_freq" in name or name.endswith("embed_scale"):
+                continue
+            if name.endswith("norm.weight") or name.endswith("layer_scalar") or name.endswith("scale"):
+                t.copy_(1.0 + 0.3 * torch.randn(t.shape, generator=gen))
+            else:
+                t.copy_(0.15 * torch.randn(t.shape, generator=gen))
+        if ordered_embeddings:
+            model.masked_embedding.token_ordering.copy_(torch.randperm(_COMMON["vocab_size"], generator=gen))
+    out_dir = Path(out_dir)
+    model.eval().save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

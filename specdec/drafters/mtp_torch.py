@@ -1,0 +1,193 @@
+"""The Gemma 4 MTP assistant in PyTorch, for drafting (semantics in specdec.drafters.mtp; the same math as
+mtp_jax, checked against it and against transformers in tests): functions over a dict of tensors under the
+stripped checkpoint names, reading the target engine's live KV cache. CUDA-graph capturable: static shapes,
+in-place updates of preallocated buffers, no host synchronisation."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specdec.drafters.mtp import AssistantConfig, mtp_taps, target_kv_layers
+from specdec.errors import SpecdecError
+from specdec.models.config import SLIDING
+from specdec.models.torch_gemma import KVCache, apply_rope, rope_tables
+
+MASKED = torch.finfo(torch.float32).min  # not -inf: a row with nothing to attend to (no hidden yet) stays finite
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 4's RMSNorm (torch_gemma.RMSNorm's arithmetic, as a function)."""
+    xf = x.float()
+    normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return (normed * weight.float()).type_as(x)
+
+
+def target_kv(target_model, cache: KVCache, kind: str, layer: int):
+    """The keys and values [B, n_kv, S, hd] of the target's layer `layer` and the positions its slots hold [B, S].
+    k_eq_v layers store V only; K is rebuilt as the target rebuilds it, with the target's RoPE tables."""
+    keys, values, stored = cache.keys[layer], cache.values[layer], cache.slot_pos[kind]
+    if values is None:
+        cos, sin = getattr(target_model, f"cos_{kind}"), getattr(target_model, f"sin_{kind}")
+        at = stored.clamp(min=0)
+        keys, values = target_model.layers[layer].self_attn._keys_from_stored(
+            keys, cos[at].to(keys.dtype)[:, None], sin[at].to(keys.dtype)[:, None]), keys
+    return keys, values, stored
+
+
+def visible(stored: torch.Tensor, position: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B, S] bool: the stored positions a query at `position` [B] attends to: before it, and on sliding layers
+    within the window the target's own query at position - 1 sees."""
+    mask = (stored >= 0) & (stored < position[:, None])
+    if window is not None:
+        mask = mask & (stored >= position[:, None] - window)
+    return mask
+
+
+def _attention(params: dict, cfg: AssistantConfig, index: int, x, cos, sin, keys, values, mask):
+    """x [B, H] -> the layer's attention output [B, H]: queries at the row's position over the target's keys."""
+    text, spec = cfg.text, cfg.text.layers[index]
+    p = f"layers.{index}.self_attn."
+    B, hd, nkv = x.shape[0], spec.head_dim, keys.shape[1]
+    q = F.linear(x, params[p + "q_proj.weight"]).view(B, text.num_heads, hd)
+    q = apply_rope(rms_norm(q, params[p + "q_norm.weight"], text.rms_norm_eps), cos[:, None], sin[:, None])
+    q = q.view(B, nkv, text.num_heads // nkv, hd)  # query head h uses KV head h // groups
+    scores = torch.einsum("bkgd,bksd->bkgs", q, keys).float()  # Gemma 4 attention scale: 1
+    scores = scores.masked_fill(~mask[:, None, None], MASKED)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.einsum("bkgs,bksd->bkgd", probs, values).reshape(B, text.num_heads * hd)
+    return F.linear(out, params[p + "o_proj.weight"])
+
+
+def _layer(params: dict, cfg: AssistantConfig, index: int, x, cos, sin, keys, values, mask):
+    p, eps = f"layers.{index}.", cfg.text.rms_norm_eps
+    norm = lambda name, v: rms_norm(v, params[p + name + ".weight"], eps)  # noqa: E731
+    x = x + norm("post_attention_layernorm", _attention(params, cfg, index, norm("input_layernorm", x), cos, sin,
+                                                        keys, values, mask))
+    h = norm("pre_feedforward_layernorm", x)
+    gate = F.gelu(F.linear(h, params[p + "mlp.gate_proj.weight"]), approximate="tanh")
+    mlp = gate * F.linear(h, params[p + "mlp.up_proj.weight"])
+    x = x + norm("post_feedforward_layernorm", F.linear(mlp, params[p + "mlp.down_proj.weight"]))
+    return x * params[p + "layer_scalar"]
+
+
+def head_logits(params: dict, cfg: AssistantConfig, normed: torch.Tensor) -> torch.Tensor:
+    """The assistant's LM head over its final-normed state [B, H] -> float32 logits [B, V]. With ordered
+    embeddings only the tokens of the top-k centroids get real logits; the others get the lowest of those
+    minus 1. transformers takes that minimum over the whole batch; here it is per row, so a row's logits do
+    not depend on the other rows (the same at batch 1)."""
+    head = params[cfg.head_name]
+    if not cfg.use_ordered_embeddings:
+        return F.linear(normed, head).float()
+    top = torch.topk(F.linear(normed, params["masked_embedding.centroids.weight"]), cfg.centroid_intermediate_top_k,
+                     dim=-1).indices
+    tokens = params["token_ordering"][top].flatten(1)  # [B, top_k * V / C]
+    selected = torch.einsum("bh,bnh->bn", normed, head[tokens]).float()
+    fill = selected.amin(dim=-1, keepdim=True) - 1.0
+    return fill.expand(-1, cfg.text.vocab_size).scatter(-1, tokens, selected)
+
+
+def step(params: dict, cfg: AssistantConfig, embeds, hidden, rope: dict, kv: dict):
+    """One draft step of every row: the target's scaled token embeddings and h [B, H_target], the queries'
+    RoPE rows per kind (cos, sin [B, hd]), the target's (keys, values, mask) per kind. -> (float32 logits [B, V],
+    the next step's h [B, H_target])."""
+    x = F.linear(torch.cat([embeds, hidden], dim=-1), params["pre_projection.weight"])
+    for spec in cfg.text.layers:
+        x = _layer(params, cfg, spec.index, x, *rope[spec.kind], *kv[spec.kind])
+    normed = rms_norm(x, params["norm.weight"], cfg.text.rms_norm_eps)
+    return head_logits(params, cfg, normed), F.linear(normed, params["post_projection.weight"])
+
+
+class TorchMtp:
+    """The assistant drafting on the device for one TorchEngine, as static buffers a FusedCycle captures into
+    its CUDA graph. Per row: the pending token, its position p, the target's hidden state at p - 1 (after
+    layer L-1, before the final norm) and whether there is one yet (a prompt of one token has none: the row
+    drafts nothing until its first verify). `draft` reads the engine's live cache."""
+
+    def __init__(self, assistant, target_engine, k: int, sampling=None):
+        from specdec.sampling import SamplingParams
+
+        engine = target_engine
+        if tuple(engine.hidden_layers) != mtp_taps(engine.cfg):
+            raise SpecdecError(f"the verifier returns hidden layers {engine.hidden_layers}, the assistant reads "
+                               f"{mtp_taps(engine.cfg)}")
+        assistant.check_target(engine.cfg, str(assistant.path))
+        self.cfg, self.engine, self.k, self.batch = assistant.cfg, engine, k, engine.batch
+        self.sampling = sampling or SamplingParams()
+        device, dtype = engine.device, engine.model.dtype
+        self.params = {n: torch.tensor(np.asarray(a), dtype=dtype, device=device) for n, a in assistant.params.items()}
+        if assistant.token_ordering is not None:
+            ordering = assistant.token_ordering.reshape(self.cfg.num_centroids, -1)
+            self.params["token_ordering"] = torch.tensor(ordering, dtype=torch.long, device=device)
+        self.kv_layers = target_kv_layers(engine.cfg)
+        text = self.cfg.text
+        tables = {kind: rope_tables(text.rope[kind], text.kind_head_dim(kind), engine.max_seq_len)
+                  for kind in set(text.layer_types)}
+        self.rope = {kind: (cos.to(device), sin.to(device)) for kind, (cos, sin) in tables.items()}
+        self.hidden = torch.zeros(self.batch, engine.cfg.hidden_size, dtype=dtype, device=device)
+        self.token = torch.zeros(self.batch, dtype=torch.long, device=device)
+        self.position = torch.zeros(self.batch, dtype=torch.long, device=device)
+        self.ready = torch.zeros(self.batch, dtype=torch.bool, device=device)
+        self.generator = None if self.sampling.greedy else torch.Generator(device=device)
+
+    def state(self) -> list[torch.Tensor]:
+        """What a cycle advances."""
+        return [self.hidden, self.token, self.position, self.ready]
+
+    @torch.inference_mode()
+    def begin(self, prompts: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
+        """Start each row from its prompt: the pending token is its last, h the target's hidden state of the
+        last committed position (prompt_hidden[b]: [P-1, 1, H], the committed prompt positions)."""
+        if self.generator is not None:
+            from specdec.drafters.eagle3 import draft_seed
+
+            self.generator.manual_seed(draft_seed(self.sampling.seed))
+        self.ready.zero_()
+        for b, (prompt, hidden) in enumerate(zip(prompts, prompt_hidden)):
+            self.token[b], self.position[b] = prompt[-1], len(prompt) - 1
+            if len(prompt) > 1:
+                self.hidden[b] = hidden[-1, 0]
+                self.ready[b] = True
+
+    def steps(self):
+        """Yield each draft step's (token [B], its distribution [B, V] or None when greedy, logits [B, V]):
+        every step at the pending token's position, over the target's cache as it stands."""
+        from specdec.acceptance.torch_rule import _sample, warp_probs
+
+        text, model = self.cfg.text, self.engine.model
+        kv = {}
+        for kind, layer in self.kv_layers.items():
+            keys, values, stored = target_kv(model, self.engine.cache, kind, layer)
+            kv[kind] = (keys, values, visible(stored, self.position, text.sliding_window if kind == SLIDING else None))
+        at = self.position.clamp(max=self.engine.max_seq_len - 1)
+        dtype = self.hidden.dtype
+        rope = {kind: (cos[at].to(dtype), sin[at].to(dtype)) for kind, (cos, sin) in self.rope.items()}
+        hidden, token = model.norm(self.hidden), self.token
+        for _ in range(self.k):
+            logits, hidden = step(self.params, self.cfg, model._embed(token), hidden, rope, kv)
+            if self.generator is None:
+                token, q = logits.argmax(dim=-1), None
+            else:
+                q = warp_probs(logits, self.sampling)
+                token = _sample(q, self.generator)
+            yield token, q, logits
+
+    def draft(self):
+        """-> (draft [B, k] target ids, draft_len [B] (0 for a row without a hidden state yet), draft probs
+        [B, k, V] when sampled else None)."""
+        tokens, probs, _ = zip(*self.steps())
+        draft_len = torch.where(self.ready, self.k, 0)
+        return torch.stack(tokens, dim=1), draft_len, (None if self.generator is None else torch.stack(probs, dim=1))
+
+    def observe(self, hidden: torch.Tensor, emitted: torch.Tensor, count: torch.Tensor, start: torch.Tensor) -> None:
+        """After a verify from positions `start` [B] whose first `count` [B] rows were kept (0: the row did not
+        advance and keeps its state): the new pending token is emitted[count-1] at start + count, and h the
+        verify's hidden row count-1 (hidden [B, >=k+1, 1, H])."""
+        rows = torch.arange(self.batch, device=count.device)
+        last = (count - 1).clamp(min=0)
+        advanced = count > 0
+        self.hidden.copy_(torch.where(advanced[:, None], hidden[rows, last, 0], self.hidden))
+        self.token.copy_(torch.where(advanced, emitted[rows, last], self.token))
+        self.position.copy_(torch.where(advanced, start + count, self.position))
+        self.ready.logical_or_(advanced)
