@@ -121,6 +121,9 @@ def assistant_buildable():
 
     from transformers import Gemma4TextConfig
 
+    if not hasattr(Gemma4TextConfig, "kv_sharing_modes"):  # older transformers (5.17) build assistants as they are
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def patched():
         original = Gemma4TextConfig.kv_sharing_modes
