@@ -296,13 +296,6 @@ def random_head(cfg: Eagle3Config, seed: int = 0, d2t: np.ndarray | None = None)
     return Eagle3Head(cfg, params, d2t, t2d)
 
 
-def draft_seed(seed: int | None) -> int:
-    """The seed of a sampled draft's random stream: the request's (None: 0), moved away from the acceptance
-    rule's own stream, which starts from the same request seed; drafts and acceptance tests must draw
-    independent numbers or the output distribution would shift."""
-    return ((seed or 0) + 0x5DEECE66D) % (1 << 31)
-
-
 # -- the drafter ----------------------------------------------------------------------------------------
 
 

@@ -164,7 +164,6 @@ class JaxEagle3:
         self.params = {n: jnp.asarray(a, dtype) for n, a in head.params.items()}
         self.params["draft_ids"] = jnp.asarray(draft_to_target(head.d2t), jnp.int32)
         self.state = None
-        self._key = None
         self._prefill = jax.jit(self._prefill_rows, donate_argnums=2)
         self._host_draft = jax.jit(self.draft, donate_argnums=2)
         self._host_observe = jax.jit(self.observe, donate_argnums=1)
@@ -182,7 +181,7 @@ class JaxEagle3:
         return dict(init_cache(cfg, B, self.slots, self.dtype),
                     feats=jnp.zeros((B, self.k + 1, cfg.hidden_size), self.dtype),
                     tokens=jnp.zeros((B, self.k + 1), jnp.int32),
-                    count=jnp.zeros(B, jnp.int32), start=jnp.zeros(B, jnp.int32))
+                    count=jnp.zeros(B, jnp.int32), start=jnp.zeros(B, jnp.int32), key=jax.random.PRNGKey(0))
 
     def _prefill_rows(self, target_params, params, state, tokens, taps, count):
         """The pairs (feature t, token t+1) for t < P-2 of each row into the cache (positions past a row's
@@ -215,16 +214,18 @@ class JaxEagle3:
         # Row b's last pair (feature P-2, the pending token) is the first to catch up on.
         state = self._prefill(target_params, self.params, self.init_state(), jnp.asarray(tokens), jnp.asarray(taps),
                               jnp.asarray(count))
-        self.state = dict(state, tokens=jnp.asarray(last))
-        from specdec.drafters.eagle3 import draft_seed
+        from specdec.drafters.stateful import draft_key
 
-        self._key = jax.random.PRNGKey(draft_seed(self.sampling.seed))
+        self.state = dict(state, tokens=jnp.asarray(last), key=draft_key(self.sampling.seed))
         return self.state
 
-    def draft(self, target_params, params, state, key, target_cache=None):
+    def draft(self, target_params, params, state, target_cache=None):
         """-> (draft [B, k] target ids, draft_len [B], draft probs [B, k, V] when sampled else None, state).
         The target's cache is not read (the head keeps its own)."""
         from specdec.acceptance.jax_rule import warp_probs
+        from specdec.drafters.stateful import next_draft_keys
+
+        next_key, step_key = next_draft_keys(state)
 
         embed = target_params["embed_tokens.weight"]
         B, rows = self.batch, jnp.arange(self.batch)
@@ -239,7 +240,7 @@ class JaxEagle3:
             if self.sampling.greedy:
                 token = params["draft_ids"][jnp.argmax(logits, axis=-1)]
             else:  # the request's filters over the target vocabulary, as the target samples
-                key, draw = jax.random.split(key)
+                draw = step_key(j)
                 full = jnp.full((B, self.cfg.vocab_size), -jnp.inf, jnp.float32).at[:, params["draft_ids"]].set(logits)
                 q = warp_probs(full, self.sampling)
                 token = jax.random.categorical(draw, jnp.log(q), axis=-1).astype(jnp.int32)
@@ -251,7 +252,7 @@ class JaxEagle3:
                 hidden, logits, cache = step(params, self.cfg, embeds, hidden, position[:, None], cache)
                 logits = logits[:, 0]
         draft_len = jnp.where(state["count"] > 0, self.k, 0).astype(jnp.int32)
-        state = dict(state, **cache)
+        state = dict(state, **cache, key=next_key)
         return jnp.stack(drafts, axis=1), draft_len, (jnp.stack(probs, axis=1) if probs else None), state
 
     def observe(self, params, state, hidden, emitted, count, start):
@@ -264,8 +265,7 @@ class JaxEagle3:
     # -- the host-driven cycle (HostCycle through specdec.drafters.eagle3.Eagle3Drafter) -----------------
 
     def host_draft(self, target_params, target_cache=None):
-        self._key, key = jax.random.split(self._key)
-        draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state, key)
+        draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state)
         return draft, draft_len, probs
 
     def host_observe(self, hidden, emitted, count, start) -> None:

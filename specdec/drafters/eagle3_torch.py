@@ -114,7 +114,7 @@ class TorchEagle3:
         first to catch up on."""
         device = self.tokens.device
         if self.generator is not None:
-            from specdec.drafters.eagle3 import draft_seed
+            from specdec.drafters.stateful import draft_seed
 
             self.generator.manual_seed(draft_seed(self.sampling.seed))
         self.count.zero_()

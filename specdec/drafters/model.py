@@ -124,7 +124,7 @@ class TorchModelDraft:
         """Prefill the drafter's cache with each prompt but its last token, which it catches up on first."""
         import torch
 
-        from specdec.drafters.eagle3 import draft_seed
+        from specdec.drafters.stateful import draft_seed
 
         if self.generator is not None:
             self.generator.manual_seed(draft_seed(self.sampling.seed))
@@ -196,7 +196,6 @@ class JaxModelDraft:
         self.engine, self.k, self.sampling = engine, k, sampling
         self.params = engine.params
         self.state = None
-        self._key = None
         self._host_draft = jax.jit(self.draft, donate_argnums=2)
         self._host_observe = jax.jit(self.observe, donate_argnums=1)
 
@@ -213,7 +212,7 @@ class JaxModelDraft:
         import jax.numpy as jnp
         import numpy as np
 
-        from specdec.drafters.eagle3 import draft_seed
+        from specdec.drafters.stateful import draft_key
         from specdec.models.jax_gemma import init_cache
 
         engine = self.engine
@@ -225,16 +224,18 @@ class JaxModelDraft:
         tokens[:, 0] = [p[-1] for p in prompts]
         self.state = {"cache": engine.cache, "tokens": jnp.asarray(tokens),
                       "start": jnp.asarray([len(p) - 1 for p in prompts], jnp.int32),
-                      "count": jnp.ones(engine.batch, jnp.int32)}
-        self._key = jax.random.PRNGKey(draft_seed(self.sampling.seed))
+                      "count": jnp.ones(engine.batch, jnp.int32), "key": draft_key(self.sampling.seed)}
         return self.state
 
-    def draft(self, target_params, params, state, key, target_cache=None):
+    def draft(self, target_params, params, state, target_cache=None):
         """-> (draft [B, k], draft_len [B], draft probs [B, k, V] when sampled else None, state)."""
         import jax
         import jax.numpy as jnp
 
         from specdec.acceptance.jax_rule import warp_probs
+        from specdec.drafters.stateful import next_draft_keys
+
+        next_key, step_key = next_draft_keys(state)
 
         engine = self.engine
         cache = state["cache"]
@@ -253,16 +254,16 @@ class JaxModelDraft:
             if self.sampling.greedy:
                 token = jnp.argmax(last, axis=-1).astype(jnp.int32)
             else:
-                key, draw = jax.random.split(key)
                 q = warp_probs(last, self.sampling)
-                token = jax.random.categorical(draw, jnp.log(q), axis=-1).astype(jnp.int32)
+                token = jax.random.categorical(step_key(j), jnp.log(q), axis=-1).astype(jnp.int32)
                 probs.append(q)
             drafts.append(token)
             if j + 1 < self.k:
                 position = position + 1
                 last = logits_of(token[:, None], position)[:, 0]
         draft_len = jnp.full((engine.batch,), self.k, jnp.int32)
-        return jnp.stack(drafts, axis=1), draft_len, (jnp.stack(probs, axis=1) if probs else None), dict(state, cache=cache)
+        return jnp.stack(drafts, axis=1), draft_len, (jnp.stack(probs, axis=1) if probs else None), \
+            dict(state, cache=cache, key=next_key)
 
     def observe(self, params, state, hidden, emitted, count, start):
         """As TorchModelDraft.observe."""
@@ -280,10 +281,7 @@ class JaxModelDraft:
     # -- the host-driven cycle (HostCycle through ModelDrafter) ---------------------------------------------
 
     def host_draft(self, target_params, target_cache=None):
-        import jax
-
-        self._key, key = jax.random.split(self._key)
-        draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state, key)
+        draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state)
         return draft, draft_len, probs
 
     def host_observe(self, hidden, emitted, count, start) -> None:

@@ -114,7 +114,6 @@ class JaxMtp:
             ordering = assistant.token_ordering.reshape(self.cfg.num_centroids, -1)
             self.params["token_ordering"] = jnp.asarray(ordering, jnp.int32)
         self.state = None
-        self._key = None
         self._host_draft = jax.jit(self.draft, donate_argnums=2)
         self._host_observe = jax.jit(self.observe, donate_argnums=1)
 
@@ -130,12 +129,12 @@ class JaxMtp:
     def init_state(self) -> dict:
         B = self.batch
         return dict(hidden=jnp.zeros((B, self.target_cfg.hidden_size), self.dtype), token=jnp.zeros(B, jnp.int32),
-                    position=jnp.zeros(B, jnp.int32), ready=jnp.zeros(B, bool))
+                    position=jnp.zeros(B, jnp.int32), ready=jnp.zeros(B, bool), key=jax.random.PRNGKey(0))
 
     def begin(self, target_params, prompts: list[list[int]], prompt_hidden) -> dict:
         """A fresh state started from each row's prompt and the target's hidden states of its committed
         positions [P-1, 1, H] (see TorchMtp.begin); also kept for the host-driven cycle."""
-        from specdec.drafters.eagle3 import draft_seed
+        from specdec.drafters.stateful import draft_key
 
         hidden = np.zeros((self.batch, self.target_cfg.hidden_size), np.float32)
         for b, (prompt, rows) in enumerate(zip(prompts, prompt_hidden)):
@@ -144,15 +143,16 @@ class JaxMtp:
         self.state = dict(hidden=jnp.asarray(hidden, self.dtype),
                           token=jnp.asarray([p[-1] for p in prompts], jnp.int32),
                           position=jnp.asarray([len(p) - 1 for p in prompts], jnp.int32),
-                          ready=jnp.asarray([len(p) > 1 for p in prompts]))
-        self._key = jax.random.PRNGKey(draft_seed(self.sampling.seed))
+                          ready=jnp.asarray([len(p) > 1 for p in prompts]), key=draft_key(self.sampling.seed))
         return self.state
 
-    def steps(self, target_params, params, state, key, target_cache):
+    def steps(self, target_params, params, state, target_cache):
         """Yield each draft step's (token [B], its distribution [B, V] or None when greedy, logits [B, V]):
         every step at the pending token's position, over the target's cache as it stands."""
         from specdec.acceptance.jax_rule import warp_probs
+        from specdec.drafters.stateful import next_draft_keys
 
+        _, step_key = next_draft_keys(state)
         text, position = self.cfg.text, state["position"]
         kv = {}
         for kind, layer in self.kv_layers.items():
@@ -162,22 +162,24 @@ class JaxMtp:
                 for kind in set(text.layer_types)}
         hidden = _rms_norm(state["hidden"], target_params["norm.weight"], self.target_cfg)
         token = state["token"]
-        for _ in range(self.k):
+        for j in range(self.k):
             embeds = target_embed(target_params, self.target_cfg, token).astype(self.dtype)
             logits, hidden = step(params, self.cfg, embeds, hidden, rope, kv)
             if self.sampling.greedy:
                 token, q = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
             else:
-                key, draw = jax.random.split(key)
                 q = warp_probs(logits, self.sampling)
-                token = jax.random.categorical(draw, jnp.log(q), axis=-1).astype(jnp.int32)
+                token = jax.random.categorical(step_key(j), jnp.log(q), axis=-1).astype(jnp.int32)
             yield token, q, logits
 
-    def draft(self, target_params, params, state, key, target_cache):
+    def draft(self, target_params, params, state, target_cache):
         """-> (draft [B, k] target ids, draft_len [B] (0 for a row without a hidden state yet), draft probs
-        [B, k, V] when sampled else None, state (unchanged: drafting writes nothing))."""
-        tokens, probs, _ = zip(*self.steps(target_params, params, state, key, target_cache))
+        [B, k, V] when sampled else None, state (only its key moves on: drafting writes nothing))."""
+        from specdec.drafters.stateful import next_draft_keys
+
+        tokens, probs, _ = zip(*self.steps(target_params, params, state, target_cache))
         draft_len = jnp.where(state["ready"], self.k, 0).astype(jnp.int32)
+        state = dict(state, key=next_draft_keys(state)[0])
         return jnp.stack(tokens, axis=1), draft_len, (None if self.sampling.greedy else jnp.stack(probs, axis=1)), state
 
     def observe(self, params, state, hidden, emitted, count, start):
@@ -187,7 +189,7 @@ class JaxMtp:
         rows = jnp.arange(self.batch)
         last = jnp.maximum(count - 1, 0)
         advanced = count > 0
-        return dict(hidden=jnp.where(advanced[:, None], hidden[rows, last, 0].astype(self.dtype), state["hidden"]),
+        return dict(state, hidden=jnp.where(advanced[:, None], hidden[rows, last, 0].astype(self.dtype), state["hidden"]),
                     token=jnp.where(advanced, emitted[rows, last].astype(jnp.int32), state["token"]),
                     position=jnp.where(advanced, (start + count).astype(jnp.int32), state["position"]),
                     ready=state["ready"] | advanced)
@@ -195,9 +197,7 @@ class JaxMtp:
     # -- the host-driven cycle (HostCycle through specdec.drafters.stateful.StatefulDrafter) ----------------
 
     def host_draft(self, target_params, target_cache):
-        self._key, key = jax.random.split(self._key)
-        draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state, key,
-                                                                target_cache)
+        draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state, target_cache)
         return draft, draft_len, probs
 
     def host_observe(self, hidden, emitted, count, start) -> None:

@@ -140,7 +140,7 @@ class TorchMtp:
         """Start each row from its prompt: the pending token is its last, h the target's hidden state of the
         last committed position (prompt_hidden[b]: [P-1, 1, H], the committed prompt positions)."""
         if self.generator is not None:
-            from specdec.drafters.eagle3 import draft_seed
+            from specdec.drafters.stateful import draft_seed
 
             self.generator.manual_seed(draft_seed(self.sampling.seed))
         self.ready.zero_()

@@ -8,14 +8,16 @@ Each such drafter is a *device state* per framework, which the fused cycles run 
          observe(hidden, emitted [B, k+1], count [B], start [B]); state() -> tensors a cycle advances;
          generator (a torch.Generator when it samples, else None)
   jax:   params, cache_key; begin(target_params, prompts, prompt_hidden) -> state;
-         draft(target_params, params, state, key, target_cache) -> (tokens, draft_len, probs | None, state);
+         draft(target_params, params, state, target_cache) -> (tokens, draft_len, probs | None, state);
          observe(params, state, hidden, emitted, count, start) -> state;
          host_draft(target_params, target_cache) / host_observe(...) over a state kept on the object
 
 `observe` follows a verify from positions `start` (the committed lengths before it) whose first `count`
 rows were kept (accepted drafts + 1; 0: the row did not advance); `hidden` are the verify's hidden states
 of the verifier's `hidden_layers`. StatefulDrafter drives the same functions from the host loop
-(specdec.generate.HostCycle), so host and fused cycles draft alike.
+(specdec.generate.HostCycle), so host and fused cycles draft alike. A sampling drafter draws from a random
+stream of its own, seeded by `draft_seed` apart from the acceptance rule's (torch: its generator; JAX: a key in
+its state, `next_draft_keys`): host and fused cycles then draw the same numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,28 @@ import numpy as np
 
 from specdec.errors import SpecdecError
 from specdec.protocol import Draft
+
+
+def draft_seed(seed: int | None) -> int:
+    """The seed of a sampling drafter's random stream: the request's (None: 0), moved away from the acceptance
+    rule's own stream, which starts from the same request seed; drafts and acceptance tests must draw
+    independent numbers or the output distribution would shift."""
+    return ((seed or 0) + 0x5DEECE66D) % (1 << 31)
+
+
+def draft_key(seed: int | None):
+    """JAX: the key a drafter's state starts with."""
+    import jax
+
+    return jax.random.PRNGKey(draft_seed(seed))
+
+
+def next_draft_keys(state: dict):
+    """JAX: (the state's key for the next cycle, the key of draft step j of this one for each j: a function)."""
+    import jax
+
+    carry, base = jax.random.split(state["key"])
+    return carry, lambda j: jax.random.fold_in(base, j)
 
 
 def framework_of(verifier) -> str:

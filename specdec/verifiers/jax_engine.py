@@ -236,10 +236,8 @@ class JaxEngine:
         key, draft_probs, drafter_state = state.key, None, state.drafter
         if draft_fn is None:
             draft, draft_len = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
-        elif _stateful(draft_fn):
-            key, draft_key = jax.random.split(key) if not sampling.greedy else (key, key)
-            draft, draft_len, draft_probs, drafter_state = draft_fn.draft(params, draft_params, drafter_state, draft_key,
-                                                                          state.cache)
+        elif _stateful(draft_fn):  # its random key is in its state: the acceptance stream is the host loop's
+            draft, draft_len, draft_probs, drafter_state = draft_fn.draft(params, draft_params, drafter_state, state.cache)
         else:  # the pending token at tokens[b, length[b]] ends each row's context
             draft, draft_len = draft_fn(state.tokens, state.length + 1)
             draft, draft_len = draft.astype(jnp.int32), draft_len.astype(jnp.int32)

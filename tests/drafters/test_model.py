@@ -149,14 +149,14 @@ def run(*args):
 def test_validate_and_generate_with_a_model_drafter(ckpt, tmp_path):
     drafter = perturbed_checkpoint(ckpt, tmp_path / "drafter")
     evidence = tmp_path / "evidence.json"
-    code, _, err = run("validate", "--target", str(ckpt), "--engine", "all", "--drafter", f"model={drafter}",
+    # validate on torch here, on JAX with the MTP assistant (test_mtp.py): both engines, at half the CI time
+    code, _, err = run("validate", "--target", str(ckpt), "--engine", "torch", "--drafter", f"model={drafter}",
                        "--tokens", "10", "--k-max", "2", "--draws", "2000", "--sampled-rows", "100",
                        "--no-self-draft", "--evidence", str(evidence))
     assert code == 0, err
     record = json.loads(evidence.read_text())
     names = {g["name"] for g in record["gates"]}
-    assert {"greedy_k2/torch/eager", "greedy_k2/jax", "sampled_speculation/torch/model",
-            "sampled_speculation/jax/model"} <= names
+    assert {"k0_bit_identical/torch/eager", "greedy_k2/torch/eager", "sampled_speculation/torch/model"} <= names
     texts = {}
     for spec in ("none", f"model={drafter}"):
         code, out, err = run("generate", "def add(a, b):", "--target", str(ckpt), "--max-new-tokens", "12",

@@ -76,7 +76,7 @@ def drafted(engine, mtp):
             logits = np.stack([lg.numpy() for _, _, lg in mtp.steps()])
             draft, draft_len, _ = mtp.draft()
         return logits, draft.numpy(), draft_len.numpy()
-    steps = mtp.steps(engine.params, mtp.params, mtp.state, jax.random.PRNGKey(0), engine.cache)
+    steps = mtp.steps(engine.params, mtp.params, mtp.state, engine.cache)
     logits = np.stack([np.asarray(lg) for _, _, lg in steps])
     draft, draft_len, _ = mtp.host_draft(engine.params, engine.cache)
     return logits, np.asarray(draft), np.asarray(draft_len)
@@ -364,13 +364,13 @@ def test_validate_and_generate_with_an_mtp_drafter(assistant_dirs, random_checkp
                                             tmp_path)
     runner = CliRunner()
     evidence = tmp_path / "evidence.json"
-    result = runner.invoke(app, ["validate", "--target", str(target), "--engine", "all", "--drafter",
+    # validate on JAX here, on torch with the model drafter (test_model.py): both engines, at half the CI time
+    result = runner.invoke(app, ["validate", "--target", str(target), "--engine", "jax", "--drafter",
                                  f"mtp={assistant}", "--tokens", "10", "--k-max", "2", "--draws", "2000",
                                  "--sampled-rows", "100", "--no-self-draft", "--evidence", str(evidence)])
     assert result.exit_code == 0, result.stderr
     names = {g["name"] for g in json.loads(evidence.read_text())["gates"]}
-    assert {"greedy_k2/torch/eager", "greedy_k2/jax", "sampled_speculation/torch/mtp",
-            "sampled_speculation/jax/mtp"} <= names
+    assert {"k0_bit_identical/jax", "greedy_k2/jax", "sampled_speculation/jax/mtp"} <= names
     texts = {}
     for spec in ("none", f"mtp={assistant}"):
         result = runner.invoke(app, ["generate", "def add(a, b):", "--target", str(target), "--max-new-tokens", "12",
