@@ -111,6 +111,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke test)")
     parser.add_argument("--cycles", type=int, default=40)
     parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the target's and the model drafter's forwards (the per-width verify sweep is skipped)")
     args = parser.parse_args()
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -125,8 +127,8 @@ def main() -> None:
     prompt = list(np.random.default_rng(0).integers(3, target_cfg.vocab_size, 128))
     params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     graphs = device == "cuda"
-    engine = TorchEngine(target, max_seq_len=context, k_max=k_max, cuda_graphs=graphs, compile=False)
-    tapped = TorchEngine(target, max_seq_len=context, k_max=k_max, cuda_graphs=graphs, compile=False,
+    engine = TorchEngine(target, max_seq_len=context, k_max=k_max, cuda_graphs=graphs, compile=args.compile)
+    tapped = TorchEngine(target, max_seq_len=context, k_max=k_max, cuda_graphs=graphs, compile=args.compile,
                          hidden_layers=mtp_taps(target_cfg))
     rows = []
     with torch.inference_mode():
@@ -144,15 +146,19 @@ def main() -> None:
                 del cycle, draft
                 if device == "cuda":
                     torch.cuda.empty_cache()
-        per_width = TorchEngine(target, max_seq_len=context, k_max=15, cuda_graphs=graphs, compile=False, invariant=False)
-        verify = [{"T": T, "ms": time_verify(per_width, prompt, T, args.cycles) * 1e3} for T in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16)]
+        verify = []
+        if not args.compile:
+            per_width = TorchEngine(target, max_seq_len=context, k_max=15, cuda_graphs=graphs, compile=False,
+                                    invariant=False)
+            verify = [{"T": T, "ms": time_verify(per_width, prompt, T, args.cycles) * 1e3}
+                      for T in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16)]
         invariant_ms = time_verify(engine, prompt, 1, args.cycles) * 1e3
     for v in verify:
         v["over_T1"] = v["ms"] / verify[0]["ms"]
     record = {
         "benchmark": "drafter_cycles", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "dtype": str(dtype), "engine": "torch (CUDA graphs, no torch.compile)" if graphs else "torch (eager)",
+        "dtype": str(dtype), "engine": ("torch (CUDA graphs, " + ("torch.compile)" if args.compile else "no torch.compile)")) if graphs else "torch (eager)",
         "shapes": {"target": target_raw, "drafter": drafter_raw, "assistant": assistant_config(target_raw, args.tiny)},
         "parameters": {"target": params(target), "drafter": params(drafter),
                        "assistant": int(sum(a.size for a in assistant.params.values()))},
@@ -167,7 +173,8 @@ def main() -> None:
     for r in rows:
         implied = " ".join(f"{r['implied_speedup'].get(str(t), float('nan')):5.2f}" for t in range(2, 7))
         print(f"{r['drafter']:8s} {r['k']:2d} {r['cycle_ms']:9.2f} {r['cycle_over_plain']:8.2f}  {implied}")
-    print("verify, per-width forwards: " + " ".join(f"T={v['T']}: {v['ms']:.2f} ms ({v['over_T1']:.2f}x)" for v in verify))
+    if verify:
+        print("verify, per-width forwards: " + " ".join(f"T={v['T']}: {v['ms']:.2f} ms ({v['over_T1']:.2f}x)" for v in verify))
     print(f"verify at the invariant width {engine.width}: {invariant_ms:.2f} ms")
     if args.plot:
         plot(record, args.plot)
