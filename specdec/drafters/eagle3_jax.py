@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.drafters.eagle3 import Eagle3Config
+from specdec.drafters.stateful import JaxHostDriven
 
 Params = dict
 
@@ -147,7 +148,7 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-class JaxEagle3:
+class JaxEagle3(JaxHostDriven):
     """The head drafting inside the JAX engine's decode loop (the torch twin: eagle3_torch.TorchEagle3, whose
     docstring describes the per-row state). `draft` and `observe` are pure functions of (the target's
     params, the head's params, the head's state), so the loop carries the state and jit takes the params
@@ -163,10 +164,7 @@ class JaxEagle3:
         self.slots = max_seq_len + 2 * (k + 1)
         self.params = {n: jnp.asarray(a, dtype) for n, a in head.params.items()}
         self.params["draft_ids"] = jnp.asarray(draft_to_target(head.d2t), jnp.int32)
-        self.state = None
         self._prefill = jax.jit(self._prefill_rows, donate_argnums=2)
-        self._host_draft = jax.jit(self.draft, donate_argnums=2)
-        self._host_observe = jax.jit(self.observe, donate_argnums=1)
 
     @property
     def cache_key(self):
@@ -261,13 +259,3 @@ class JaxEagle3:
         return dict(state, feats=fuse(params, hidden[:, : self.k + 1]).astype(self.dtype),
                     tokens=emitted[:, : self.k + 1].astype(jnp.int32), count=count.astype(jnp.int32),
                     start=start.astype(jnp.int32))
-
-    # -- the host-driven cycle (HostCycle through specdec.drafters.eagle3.Eagle3Drafter) -----------------
-
-    def host_draft(self, target_params, target_cache=None):
-        draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state)
-        return draft, draft_len, probs
-
-    def host_observe(self, hidden, emitted, count, start) -> None:
-        self.state = self._host_observe(self.params, self.state, hidden, jnp.asarray(emitted), jnp.asarray(count),
-                                        jnp.asarray(start))

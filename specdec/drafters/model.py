@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.drafters.stateful import StatefulDrafter, framework_of
+from specdec.drafters.stateful import JaxHostDriven, StatefulDrafter, framework_of
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 
@@ -185,19 +185,14 @@ class TorchModelDraft:
 # -- JAX --------------------------------------------------------------------------------------------------
 
 
-class JaxModelDraft:
+class JaxModelDraft(JaxHostDriven):
     """The drafter's device state for the JAX engine's decode loop (specdec.drafters.stateful): a pytree of
     the drafter's cache and, per row, the tokens to catch up on (as TorchModelDraft); its params are a jit
     argument."""
 
     def __init__(self, engine, k: int, sampling: SamplingParams = SamplingParams()):
-        import jax
-
         self.engine, self.k, self.sampling = engine, k, sampling
         self.params = engine.params
-        self.state = None
-        self._host_draft = jax.jit(self.draft, donate_argnums=2)
-        self._host_observe = jax.jit(self.observe, donate_argnums=1)
 
     @property
     def cache_key(self):
@@ -277,15 +272,3 @@ class JaxModelDraft:
         return dict(state, tokens=jnp.where(moved[:, None], tokens, state["tokens"]),
                     start=jnp.where(moved, start + fed + 1, state["start"]),
                     count=jnp.where(moved, count - fed, state["count"]))
-
-    # -- the host-driven cycle (HostCycle through ModelDrafter) ---------------------------------------------
-
-    def host_draft(self, target_params, target_cache=None):
-        draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state)
-        return draft, draft_len, probs
-
-    def host_observe(self, hidden, emitted, count, start) -> None:
-        import jax.numpy as jnp
-
-        self.state = self._host_observe(self.params, self.state, hidden, jnp.asarray(emitted), jnp.asarray(count),
-                                        jnp.asarray(start))

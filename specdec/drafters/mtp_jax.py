@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.drafters.mtp import AssistantConfig, target_kv_layers
+from specdec.drafters.stateful import JaxHostDriven
 from specdec.models.config import SLIDING, GemmaConfig, rope_inv_freq
 from specdec.models.jax_gemma import _apply_rope, _keys_from_stored, _linear, _mlp, _rms_norm, _rope_cos_sin
 
@@ -95,7 +96,7 @@ def step(params: Params, cfg: AssistantConfig, embeds, hidden, rope: dict, kv: d
     return head_logits(params, cfg, normed), _linear(normed, params["post_projection.weight"])
 
 
-class JaxMtp:
+class JaxMtp(JaxHostDriven):
     """The assistant drafting inside the JAX engine's decode loop (the torch twin: mtp_torch.TorchMtp, whose
     docstring describes the per-row state). `draft` and `observe` are pure functions of (the target's params,
     the assistant's params, its state; `draft` also of the target's cache), so the loop carries the state and
@@ -113,9 +114,6 @@ class JaxMtp:
         if assistant.token_ordering is not None:
             ordering = assistant.token_ordering.reshape(self.cfg.num_centroids, -1)
             self.params["token_ordering"] = jnp.asarray(ordering, jnp.int32)
-        self.state = None
-        self._host_draft = jax.jit(self.draft, donate_argnums=2)
-        self._host_observe = jax.jit(self.observe, donate_argnums=1)
 
     @property
     def cache_key(self):
@@ -193,13 +191,3 @@ class JaxMtp:
                     token=jnp.where(advanced, emitted[rows, last].astype(jnp.int32), state["token"]),
                     position=jnp.where(advanced, (start + count).astype(jnp.int32), state["position"]),
                     ready=state["ready"] | advanced)
-
-    # -- the host-driven cycle (HostCycle through specdec.drafters.stateful.StatefulDrafter) ----------------
-
-    def host_draft(self, target_params, target_cache):
-        draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state, target_cache)
-        return draft, draft_len, probs
-
-    def host_observe(self, hidden, emitted, count, start) -> None:
-        self.state = self._host_observe(self.params, self.state, jnp.asarray(hidden), jnp.asarray(emitted),
-                                        jnp.asarray(count), jnp.asarray(start))

@@ -22,6 +22,8 @@ its state, `next_draft_keys`): host and fused cycles then draw the same numbers.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from specdec.errors import SpecdecError
@@ -48,6 +50,35 @@ def next_draft_keys(state: dict):
 
     carry, base = jax.random.split(state["key"])
     return carry, lambda j: jax.random.fold_in(base, j)
+
+
+class JaxHostDriven:
+    """Base of the JAX device states: `host_draft` and `host_observe` run their pure `draft` and `observe`
+    compiled, over a state kept on the object (`begin` sets it), for the host-driven cycle."""
+
+    state: dict | None = None
+
+    @functools.cached_property
+    def _host_draft(self):
+        import jax
+
+        return jax.jit(self.draft, donate_argnums=2)
+
+    @functools.cached_property
+    def _host_observe(self):
+        import jax
+
+        return jax.jit(self.observe, donate_argnums=1)
+
+    def host_draft(self, target_params, target_cache=None):
+        draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state, target_cache)
+        return draft, draft_len, probs
+
+    def host_observe(self, hidden, emitted, count, start) -> None:
+        import jax.numpy as jnp
+
+        self.state = self._host_observe(self.params, self.state, hidden, jnp.asarray(emitted), jnp.asarray(count),
+                                        jnp.asarray(start))
 
 
 def framework_of(verifier) -> str:

@@ -59,18 +59,25 @@ def build_hf_model(variant: str, seed: int = 0):
         model = Gemma3ForCausalLM(Gemma3TextConfig(**_COMMON, **spec))
     else:
         model = Gemma4ForCausalLM(Gemma4TextConfig(**_COMMON, **spec))
-    gen = torch.Generator().manual_seed(seed)
+    # Gemma 3 norms scale by (1 + w): centre those at 0; Gemma 4 norms and scalars at 1.
+    redraw(model, torch.Generator().manual_seed(seed), norm_centre=0.0 if family == "gemma3" else 1.0)
+    return model.eval()
+
+
+def redraw(model, gen, norm_centre: float = 1.0) -> None:
+    """Every float parameter and buffer of a transformers model drawn anew: norm weights around
+    `norm_centre`, scalars around 1, the rest N(0, 0.15^2); RoPE frequencies and embedding scales kept."""
+    import torch
+
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if not t.is_floating_point() or "inv_freq" in name or name.endswith("embed_scale"):
                 continue
             if name.endswith("norm.weight") or name.endswith("layer_scalar") or name.endswith("scale"):
-                # Gemma 3 norms scale by (1 + w): centre those at 0; Gemma 4 norms and scalars at 1.
-                centre = 0.0 if family == "gemma3" and name.endswith("norm.weight") else 1.0
+                centre = norm_centre if name.endswith("norm.weight") else 1.0
                 t.copy_(centre + 0.3 * torch.randn(t.shape, generator=gen))
             else:
                 t.copy_(0.15 * torch.randn(t.shape, generator=gen))
-    return model.eval()
 
 
 def write_random_checkpoint(variant: str, out_dir: str | Path, seed: int = 0) -> Path:
@@ -146,8 +153,7 @@ def write_random_assistant(target_variant: str, out_dir: str | Path, seed: int =
                            ordered_embeddings: bool = False) -> Path:
     """Write a transformers Gemma4AssistantForCausalLM drafting for a Gemma 4 variant: 2 layers (sliding,
     full) of hidden size 32 whose query heads fit the variant's KV layers; with `ordered_embeddings`, 32
-    centroids of which 4 are kept and a seeded random token ordering. Every float tensor redrawn as
-    `build_hf_model` does."""
+    centroids of which 4 are kept and a seeded random token ordering. Every float tensor redrawn (`redraw`)."""
     import torch
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 
@@ -163,15 +169,9 @@ def write_random_assistant(target_variant: str, out_dir: str | Path, seed: int =
     with assistant_buildable():
         model = Gemma4AssistantForCausalLM(config)
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if not t.is_floating_point() or "inv_freq" in name or name.endswith("embed_scale"):
-                continue
-            if name.endswith("norm.weight") or name.endswith("layer_scalar") or name.endswith("scale"):
-                t.copy_(1.0 + 0.3 * torch.randn(t.shape, generator=gen))
-            else:
-                t.copy_(0.15 * torch.randn(t.shape, generator=gen))
-        if ordered_embeddings:
+    redraw(model, gen)
+    if ordered_embeddings:
+        with torch.no_grad():
             model.masked_embedding.token_ordering.copy_(torch.randperm(_COMMON["vocab_size"], generator=gen))
     out_dir = Path(out_dir)
     model.eval().save_pretrained(out_dir, safe_serialization=True)
