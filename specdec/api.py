@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,10 +167,10 @@ class DrafterSource:
     built for any verifier of that target with `build(verifier, k, sampling)` (None for "none")."""
 
     def __init__(self, spec: str, target_path: str | Path | None = None):
-        self.spec = spec
         self.kind, self.path = parse_drafter(spec)
         self.target_path = resolve_checkpoint(target_path) if self.kind in DRAFTER_DIRS else None
         self._loaded: dict = {}
+        self._engines = weakref.WeakKeyDictionary()  # verifier -> the model drafter's engine beside it
 
     def _once(self, key, load):
         if key not in self._loaded:
@@ -230,11 +231,12 @@ class DrafterSource:
             return MtpDrafter(self.assistant, verifier, k, sampling)
         from specdec.drafters.model import ModelDrafter, check_same_tokenizer, drafter_engine, load_source
 
-        check_same_tokenizer(self.path, self.target_path)
+        self._once("tokenizer", lambda: check_same_tokenizer(self.path, self.target_path))
         weights = self._once(("model", _framework_key(verifier)), lambda: load_source(self.path, verifier))
         # one drafter engine per verifier, shared by its drafters of every k (and their compiled programs)
-        engine = self._once(("engine", id(verifier)), lambda: drafter_engine(weights, verifier))
-        return ModelDrafter(engine, verifier, k, sampling)
+        if verifier not in self._engines:
+            self._engines[verifier] = drafter_engine(weights, verifier)
+        return ModelDrafter(self._engines[verifier], verifier, k, sampling)
 
 
 def _framework_key(verifier):
