@@ -241,9 +241,11 @@ class DrafterSource:
 
 def _framework_key(verifier):
     """Verifiers whose drafter weights can be shared: same framework, dtype and device."""
-    if hasattr(verifier, "model"):
-        return "torch", verifier.model.dtype, str(verifier.device)
-    return "jax", str(verifier.params["embed_tokens.weight"].dtype)
+    from specdec.drafters.stateful import framework_of
+
+    if framework_of(verifier) == "jax":
+        return "jax", str(verifier.params["embed_tokens.weight"].dtype)
+    return "torch", verifier.model.dtype, str(verifier.device)
 
 
 def drafter_taps(spec: str, target: str | Path | None = None) -> tuple[int, ...]:

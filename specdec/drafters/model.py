@@ -128,8 +128,7 @@ class TorchModelDraft:
 
         if self.generator is not None:
             self.generator.manual_seed(draft_seed(self.sampling.seed))
-        with torch.inference_mode():
-            self.engine.prefill(prompts)
+        self.engine.prefill(prompts)
         device = self.tokens.device
         self.tokens.zero_()
         self.tokens[:, 0] = torch.tensor([p[-1] for p in prompts], device=device)
