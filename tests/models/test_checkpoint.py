@@ -46,6 +46,19 @@ def test_dtype_chosen_at_load(random_checkpoints):
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
 
 
+def test_bf16_checkpoint_reads_without_torch_bitwise(random_checkpoints, tmp_path):
+    """Released checkpoints are bf16: the numpy reader (the JAX engine's) gives torch's bits, zero-copy."""
+    ckpt = copy_ckpt(random_checkpoints["gemma3"], tmp_path / "ckpt")
+    stored = load_file(ckpt / "model.safetensors")
+    save_file({n: t.to(torch.bfloat16) for n, t in stored.items()}, ckpt / "model.safetensors")
+    _, by_numpy = load_checkpoint(ckpt, framework="numpy")
+    _, by_torch = load_checkpoint(ckpt, framework="pt")
+    assert set(by_numpy) == set(by_torch)
+    for name, t in by_torch.items():
+        assert by_numpy[name].dtype.name == "bfloat16" and not by_numpy[name].flags.writeable
+        assert by_numpy[name].tobytes() == t.view(torch.int16).numpy().tobytes(), name
+
+
 def test_truncated_safetensors_names_the_file(random_checkpoints, tmp_path):
     ckpt = copy_ckpt(random_checkpoints["gemma3"], tmp_path / "ckpt")
     weights = ckpt / "model.safetensors"
