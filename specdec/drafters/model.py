@@ -237,7 +237,7 @@ class JaxModelDraft(JaxHostDriven):
         def logits_of(tokens, start):
             nonlocal cache
             start = jnp.minimum(start, engine.max_seq_len - engine.width)
-            logits, _, cache = engine._decode_forward(params, cache, engine._pad(tokens), start)
+            logits, _, cache = engine._forward(params, cache, engine._pad(tokens), start)
             return logits
 
         rows = jnp.arange(engine.batch)
