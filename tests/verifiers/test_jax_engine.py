@@ -96,6 +96,38 @@ def test_device_drafter_inside_the_loop_keeps_greedy_output(engine, reference):
     assert int(state.cycles[0]) < n // 2
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints, caplog, temperature):
+    """A first run's two programs (prefill's forward and the fused cycle's) compile side by side before it; the
+    run then finds both compiled (or finds them in the persistent cache, which other tests may have filled)."""
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.generate import StopCondition, run_cycles
+    from specdec.sampling import SamplingParams
+    from specdec.verifiers.jax_engine import JaxFusedCycle
+
+    fresh = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=256, k_max=K_MAX)
+    sampling = SamplingParams(temperature=temperature, seed=2)
+    cycle = JaxFusedCycle(fresh, NgramDrafter().device_draft_fn("jax", K_MAX), K_MAX, sampling)
+    compiled = re.compile(r"Finished XLA compilation of jit\((steps|_decode_forward)\)|"
+                          r"Persistent compilation cache hit for 'jit_(steps|_decode_forward)'")
+    stop = StopCondition(12)
+    jax.config.update("jax_log_compiles", True)  # globally: a config context would not reach the compiling threads
+    try:
+        caplog.clear()
+        cycle.compile_ahead([PROMPT[:20]], stop)
+        ahead = {m.group(1) or m.group(2) for m in map(compiled.search, caplog.messages) if m}
+        caplog.clear()
+        ours = run_cycles(cycle, [PROMPT[:20]], K_MAX, stop).tokens[0]
+        during_run = [m for m in caplog.messages if compiled.search(m)]
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert ahead == {"steps", "_decode_forward"}
+    assert during_run == []
+    assert len(ours) == 12
+    if temperature == 0.0:
+        assert ours == fresh.generate(PROMPT[:20], 12)
+
+
 def test_verify_and_commit(engine, reference):
     """The protocol path: drafts that are the greedy tokens come back as each row's argmax; a chunk shorter
     than its bucket is padded and sliced back."""
