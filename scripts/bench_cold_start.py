@@ -127,8 +127,8 @@ def plot(results: list[dict], device: str, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar([i - 0.2 for i in x], first, 0.4, label="first run (empty caches)")
     ax.bar([i + 0.2 for i in x], later, 0.4, label="later runs (best)")
-    for target, style in ((10, "--"), (5, ":")):
-        ax.axhline(target, color="gray", linestyle=style, linewidth=1)
+    for target, style, label in ((10, "--", "target, first run"), (5, ":", "target, later runs")):
+        ax.axhline(target, color="gray", linestyle=style, linewidth=1, label=label)
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("seconds, whole command")
     ax.set_title(f"specdec generate, 128 tokens, {device}")
