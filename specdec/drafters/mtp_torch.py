@@ -12,16 +12,9 @@ import torch.nn.functional as F
 from specdec.drafters.mtp import AssistantConfig, mtp_taps, target_kv_layers
 from specdec.errors import SpecdecError
 from specdec.models.config import SLIDING
-from specdec.models.torch_gemma import KVCache, apply_rope, rope_tables
+from specdec.models.torch_gemma import KVCache, apply_rope, gelu_mlp, rms_norm, rope_tables
 
 MASKED = torch.finfo(torch.float32).min  # not -inf: a row with nothing to attend to (no hidden yet) stays finite
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma 4's RMSNorm (torch_gemma.RMSNorm's arithmetic, as a function)."""
-    xf = x.float()
-    normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    return (normed * weight.float()).type_as(x)
 
 
 def target_kv(target_model, cache: KVCache, kind: str, layer: int):
@@ -51,7 +44,7 @@ def _attention(params: dict, cfg: AssistantConfig, index: int, x, cos, sin, keys
     p = f"layers.{index}.self_attn."
     B, hd, nkv = x.shape[0], spec.head_dim, keys.shape[1]
     q = F.linear(x, params[p + "q_proj.weight"]).view(B, text.num_heads, hd)
-    q = apply_rope(rms_norm(q, params[p + "q_norm.weight"], text.rms_norm_eps), cos[:, None], sin[:, None])
+    q = apply_rope(rms_norm(q, params[p + "q_norm.weight"], text), cos[:, None], sin[:, None])
     q = q.view(B, nkv, text.num_heads // nkv, hd)  # query head h uses KV head h // groups
     scores = torch.einsum("bkgd,bksd->bkgs", q, keys).float()  # Gemma 4 attention scale: 1
     scores = scores.masked_fill(~mask[:, None, None], MASKED)
@@ -61,14 +54,12 @@ def _attention(params: dict, cfg: AssistantConfig, index: int, x, cos, sin, keys
 
 
 def _layer(params: dict, cfg: AssistantConfig, index: int, x, cos, sin, keys, values, mask):
-    p, eps = f"layers.{index}.", cfg.text.rms_norm_eps
-    norm = lambda name, v: rms_norm(v, params[p + name + ".weight"], eps)  # noqa: E731
+    p = f"layers.{index}."
+    norm = lambda name, v: rms_norm(v, params[p + name + ".weight"], cfg.text)  # noqa: E731
     x = x + norm("post_attention_layernorm", _attention(params, cfg, index, norm("input_layernorm", x), cos, sin,
                                                         keys, values, mask))
-    h = norm("pre_feedforward_layernorm", x)
-    gate = F.gelu(F.linear(h, params[p + "mlp.gate_proj.weight"]), approximate="tanh")
-    mlp = gate * F.linear(h, params[p + "mlp.up_proj.weight"])
-    x = x + norm("post_feedforward_layernorm", F.linear(mlp, params[p + "mlp.down_proj.weight"]))
+    mlp = gelu_mlp(norm("pre_feedforward_layernorm", x), *(params[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
+    x = x + norm("post_feedforward_layernorm", mlp)
     return x * params[p + "layer_scalar"]
 
 
@@ -95,7 +86,7 @@ def step(params: dict, cfg: AssistantConfig, embeds, hidden, rope: dict, kv: dic
     x = F.linear(torch.cat([embeds, hidden], dim=-1), params["pre_projection.weight"])
     for spec in cfg.text.layers:
         x = _layer(params, cfg, spec.index, x, *rope[spec.kind], *kv[spec.kind])
-    normed = rms_norm(x, params["norm.weight"], cfg.text.rms_norm_eps)
+    normed = rms_norm(x, params["norm.weight"], cfg.text)
     return head_logits(params, cfg, normed), F.linear(normed, params["post_projection.weight"])
 
 

@@ -56,24 +56,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, cfg: GemmaConfig) -> torch.Tensor:
     """Gemma RMSNorm in float32: Gemma 3 scales by (1 + w) with rsqrt, Gemma 4 by w with pow(-0.5)
-    (each as its reference does it, so low bits match); `with_scale=False` is Gemma 4's v-norm."""
+    (each as its reference does it, so low bits match); weight None is Gemma 4's scale-free v-norm."""
+    xf = x.float()
+    mean_sq = xf.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps
+    normed = xf * (torch.pow(mean_sq, -0.5) if cfg.is_gemma4 else torch.rsqrt(mean_sq))
+    if weight is not None:
+        normed = normed * (cfg.norm_weight_offset + weight.float())
+    return normed.type_as(x)
+
+
+def gelu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP: down(gelu_tanh(gate(x)) * up(x)), weights in [out, in] layout."""
+    return F.linear(F.gelu(F.linear(x, gate), approximate="tanh") * F.linear(x, up), down)
+
+
+class RMSNorm(nn.Module):
+    """rms_norm with its weight; `with_scale=False` is Gemma 4's v-norm."""
 
     def __init__(self, dim: int, cfg: GemmaConfig, with_scale: bool = True):
         super().__init__()
-        self.eps = cfg.rms_norm_eps
-        self.gemma4 = cfg.is_gemma4
-        self.offset = cfg.norm_weight_offset
+        self.cfg = cfg
         self.weight = nn.Parameter(torch.zeros(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        mean_sq = xf.pow(2).mean(-1, keepdim=True) + self.eps
-        normed = xf * (torch.pow(mean_sq, -0.5) if self.gemma4 else torch.rsqrt(mean_sq))
-        if self.weight is not None:
-            normed = normed * (self.offset + self.weight.float())
-        return normed.type_as(x)
+        return rms_norm(x, self.weight, self.cfg)
 
 
 class MLP(nn.Module):
@@ -84,7 +92,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return gelu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
 @dataclass
