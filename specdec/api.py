@@ -56,6 +56,7 @@ def load(
     hidden_layers: tuple[int, ...] = (),
     invariant: bool = True,
     compile: bool = False,
+    tensor_parallel: int = 1,
 ) -> Target:
     """Load a target for generation. Defaults: the embedded Gemma 3 270M, the PyTorch engine, CUDA in
     bf16 when there is a GPU, else CPU in fp32, row-invariant forwards (greedy speculative output is the
@@ -65,7 +66,12 @@ def load(
     2.5x faster decoding of the 270M, for about 45 s of compilation on a machine's first run and 10 s
     later (inductor's cache, see specdec.compile_cache). Without it the CUDA graphs replay the eager
     forward and set up in a fraction of a second: the better choice for short runs. The JAX engine always
-    compiles, and caches its programs on disk."""
+    compiles, and caches its programs on disk.
+
+    `tensor_parallel` > 1 splits the attention heads and MLP columns over that many devices. JAX: a mesh of
+    this process's first devices. PyTorch: one process per device over torch.distributed, each of which calls
+    load (launch with `torchrun --nproc-per-node N` and join its group with init_distributed first); every
+    process then runs the same generation and gets the same tokens."""
     if engine not in ENGINES:
         raise SpecdecError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     if k_max < 0:
@@ -76,28 +82,35 @@ def load(
     with ThreadPoolExecutor(1) as pool:
         tokenizer_future = pool.submit(Tokenizer.from_dir, path)
         verifier, cfg = _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers,
-                                     invariant, compile)
+                                     invariant, compile, tensor_parallel)
         tokenizer = tokenizer_future.result()
     if tokenizer.vocab_size > cfg.vocab_size:
         raise SpecdecError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {cfg.vocab_size}")
     return Target(path, cfg, tokenizer, verifier, engine, time.perf_counter() - start)
 
 
-def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant, compile):
+def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant, compile,
+                 tensor_parallel=1):
     from specdec import compile_cache
 
+    if tensor_parallel < 1:
+        raise SpecdecError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     if engine == "torch":
         import torch
 
         from specdec.models.torch_gemma import GemmaModel
         from specdec.verifiers.torch_engine import TorchEngine
 
+        tp_group = _torch_tp_group(tensor_parallel)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if tp_group is not None and device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"  # init_distributed picked this process's GPU
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
             dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         ]
         compile_cache.enable_torch()
-        model = GemmaModel.from_checkpoint(path, dtype=torch_dtype, device=device, max_seq_len=max_seq_len)
+        model = GemmaModel.from_checkpoint(path, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
+                                           tp_group=tp_group)
         verifier = TorchEngine(model, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers,
                                invariant=invariant, compile=compile and device.startswith("cuda"))
         cfg = model.cfg
@@ -105,12 +118,51 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
         from specdec.verifiers.jax_engine import JaxEngine
 
         compile_cache.enable_jax()
+        mesh = None
+        if tensor_parallel > 1:
+            import jax
+
+            from specdec.verifiers.jax_engine import make_mesh
+
+            if tensor_parallel > len(jax.devices()):
+                raise SpecdecError(f"tensor parallelism over {tensor_parallel} devices, but JAX sees {len(jax.devices())}")
+            mesh = make_mesh(tensor_parallel)
         verifier = JaxEngine.from_checkpoint(
             path, dtype=dtype, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers,
-            invariant=invariant,
+            invariant=invariant, mesh=mesh,
         )
         cfg = verifier.cfg
     return verifier, cfg
+
+
+def init_distributed() -> int:
+    """Join the torch.distributed group that torchrun set up, one process per device (NCCL on GPUs, each
+    process on its LOCAL_RANK's GPU; gloo on the CPU); -> this process's rank."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" not in os.environ:
+        raise SpecdecError("tensor parallelism in the torch engine runs one process per device: launch with "
+                           "torchrun --nproc-per-node N")
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank()
+
+
+def _torch_tp_group(tensor_parallel: int):
+    """The torch.distributed group a tensor-parallel torch engine runs over (None for one device)."""
+    if tensor_parallel == 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() != tensor_parallel:
+        raise SpecdecError(f"tensor parallelism over {tensor_parallel} devices in the torch engine runs one process per "
+                           f"device: launch with torchrun --nproc-per-node {tensor_parallel}")
+    return dist.group.WORLD
 
 
 def make_cycle(target: Target, drafter: str, k: int, sampling: SamplingParams, fused: bool | None = None):
@@ -229,6 +281,10 @@ class DrafterSource:
             return Eagle3Drafter(self.head, verifier, k, sampling)
         if self.kind == "mtp":
             from specdec.drafters.mtp import MtpDrafter
+
+            if getattr(getattr(verifier, "model", None), "tp_group", None) is not None:
+                raise SpecdecError(f"{self.path}: the MTP assistant does not run beside a tensor-parallel torch "
+                                   "target yet (its queries would need the target's split KV heads)")
 
             return MtpDrafter(self.assistant, verifier, k, sampling)
         from specdec.drafters.model import ModelDrafter, check_same_tokenizer, drafter_engine, load_source

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import io
 import sys
 from pathlib import Path
 from typing import Optional
@@ -68,10 +69,17 @@ def generate(
     compare_plain: bool = typer.Option(False, help="also time a plain decode first and report the speedup"),
     invariant: bool = typer.Option(True, help="row-invariant forwards: greedy output identical to plain decoding"),
     compile: Optional[bool] = typer.Option(None, help="torch.compile the forward (CUDA): ~2.5x faster decoding after 10-45 s of compiling [default: from 2048 new tokens on]"),
+    tensor_parallel: int = typer.Option(1, help="split the model over N devices (torch: launch with torchrun --nproc-per-node N; JAX: this process's first N devices)"),
 ):
     """Generate text, streaming it, then print set-up and decoding times, tau, acceptance and tok/s."""
     import specdec
     from specdec.sampling import SamplingParams
+
+    rank = 0
+    if tensor_parallel > 1 and engine == "torch":
+        from specdec.api import init_distributed
+
+        rank = init_distributed()  # every process decodes the same tokens; the first one prints them
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     if k < 0:
@@ -84,8 +92,9 @@ def generate(
     from specdec.api import drafter_taps
 
     loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=max(k, 1), max_seq_len=max_seq_len,
-                          invariant=invariant, compile=compile, hidden_layers=drafter_taps(drafter, target))
-    out = sys.stdout
+                          invariant=invariant, compile=compile, hidden_layers=drafter_taps(drafter, target),
+                          tensor_parallel=tensor_parallel)
+    out = sys.stdout if rank == 0 else io.StringIO()
     out.write(prompt)
     out.flush()
 
@@ -99,8 +108,9 @@ def generate(
     )
     out.write("\n")
     s = result.stats
-    err.print(f"[dim]{engine} · drafter {drafter if s.k else 'none'} · k={s.k} · {s.summary()}[/dim]",
-              highlight=False, soft_wrap=True)
+    if rank == 0:
+        err.print(f"[dim]{engine} · drafter {drafter if s.k else 'none'} · k={s.k} · {s.summary()}[/dim]",
+                  highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 from safetensors import SafetensorError, safe_open
 
 from specdec.errors import SpecdecError
-from specdec.models.config import GemmaConfig
+from specdec.models.config import GemmaConfig, tp_split_axis
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -113,12 +113,15 @@ def _strip(stored: Iterable[str]) -> dict[str, str]:
 
 
 def load_checkpoint(
-    path: str | Path, framework: str = "pt", dtype: Any = None, device: str | None = None
+    path: str | Path, framework: str = "pt", dtype: Any = None, device: str | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> tuple[GemmaConfig, dict[str, Any]]:
     """Read config.json and the weights of a HF directory; tensors come back as `framework` arrays
     ("pt": torch, "flax": jax, "numpy") cast to `dtype` when given, torch tensors on `device` when given
     (moved first, then cast there: a GPU casts a checkpoint in milliseconds, a CPU thread in seconds).
-    Safetensors are memory-mapped."""
+    Safetensors are memory-mapped. `shard` = (rank, tp): only device `rank`'s slice of each tensor that
+    tensor parallelism over tp devices splits (config.tp_split_axis), read without the rest; the config
+    returned is still the whole model's (its .shard(tp) describes the slices)."""
     directory = Path(path)
     if not directory.is_dir():
         raise SpecdecError(f"{directory}: not a checkpoint directory")
@@ -144,6 +147,7 @@ def load_checkpoint(
                 t = views[names[name]]
                 if t.shape != expected[name]:
                     raise SpecdecError(f"{file}: tensor {names[name]!r} has shape {t.shape}, config expects {expected[name]}")
+                t = t[shard_index(cfg, name, t.shape, shard)]
                 tensors[name] = t.astype(dtype) if dtype is not None else t
             continue
         try:
@@ -153,7 +157,8 @@ def load_checkpoint(
                     shape = tuple(f.get_slice(stored).get_shape())
                     if shape != expected[name]:
                         raise SpecdecError(f"{file}: tensor {stored!r} has shape {shape}, config expects {expected[name]}")
-                    t = f.get_tensor(stored)
+                    index = shard_index(cfg, name, shape, shard)
+                    t = f.get_tensor(stored) if index == (...,) else f.get_slice(stored)[index]
                     if device is not None:
                         t = t.to(device)
                     tensors[name] = _cast(t, dtype, framework) if dtype is not None else t
@@ -189,6 +194,16 @@ def _numpy_views(file: Path) -> dict[str, Any]:
         return views
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SpecdecError(f"{file}: unreadable safetensors file ({e})") from None
+
+
+def shard_index(cfg: GemmaConfig, name: str, shape: tuple[int, ...], shard: tuple[int, int] | None) -> tuple:
+    """The index of device `rank`'s slice of a tensor under tensor parallelism (everything if not split)."""
+    axis = None if shard is None else tp_split_axis(cfg, name, shard[1])
+    if axis is None:
+        return (...,)
+    rank, tp = shard
+    size = shape[axis] // tp
+    return (slice(None),) * axis + (slice(rank * size, (rank + 1) * size),)
 
 
 def _numpy_dtype(name: str):

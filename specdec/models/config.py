@@ -7,7 +7,7 @@ layer owns which KV cache, RoPE tables' parameters), so torch_gemma and jax_gemm
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,41 @@ def decode_width(k_max: int) -> int:
     the forward holds; the multiple of 8 keeps every row on the same path of the matmul kernels (fp32 CPU
     GEMMs compute the last row of a 9-row product differently from the others)."""
     return -(-(k_max + 1) // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+# Tensor parallelism, one spec for both engines: which dimension of which weight splits over the devices.
+COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+ROW_PARALLEL = ("o_proj.weight", "mlp.down_proj.weight")
+EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def tp_split_axis(cfg: "GemmaConfig", name: str, tp: int) -> int | None:
+    """The dimension of checkpoint tensor `name` that tensor parallelism over `tp` devices splits: heads and
+    MLP columns by output row (0); o_proj and down_proj by input column (1), so each device's partial output
+    is summed across devices; MoE experts by expert (0) when they divide; None (whole on every device) for
+    the rest: embeddings, norms, the LM head, per-layer inputs, the router."""
+    if name.endswith(COLUMN_PARALLEL):
+        return 0
+    if name.endswith(ROW_PARALLEL):
+        return 1
+    if name.endswith(EXPERTS) and cfg.num_experts % tp == 0:
+        return 0
+    return None
+
+
+def check_tensor_parallel(cfg: "GemmaConfig", tp: int) -> None:
+    """Every split dimension must divide evenly over `tp` devices: one line naming what does not."""
+    problems = []
+    if cfg.num_heads % tp:
+        problems.append(f"{cfg.num_heads} attention heads")
+    for spec in cfg.layers:
+        if spec.owns_cache and spec.num_kv_heads % tp:
+            problems.append(f"{spec.num_kv_heads} KV heads of layer {spec.index}")
+        if spec.intermediate_size % tp:
+            problems.append(f"MLP width {spec.intermediate_size} of layer {spec.index}")
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SpecdecError(f"a tensor-parallel mesh of {tp} devices does not divide {problems[0]}{more}")
 
 
 @dataclass(frozen=True)
@@ -137,6 +172,16 @@ class GemmaConfig:
             ((batch, s.num_kv_heads, slots[s.kind], s.head_dim), not s.k_eq_v) if s.owns_cache else None
             for s in self.layers
         ]
+
+    def shard(self, tp: int) -> "GemmaConfig":
+        """The config one of `tp` tensor-parallel devices builds: its share of the attention heads, KV heads
+        and MLP columns (tp_split_axis says which slice of each weight it holds); the rest is whole."""
+        check_tensor_parallel(self, tp)
+        layers = tuple(replace(s, num_kv_heads=s.num_kv_heads // tp, intermediate_size=s.intermediate_size // tp)
+                       for s in self.layers)
+        return replace(self, num_heads=self.num_heads // tp, num_kv_heads=self.num_kv_heads // tp,
+                       num_global_kv_heads=self.num_global_kv_heads and self.num_global_kv_heads // tp,
+                       intermediate_size=self.intermediate_size // tp, layers=layers)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "GemmaConfig":

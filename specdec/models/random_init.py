@@ -48,12 +48,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
 MULTIMODAL_VARIANT = "gemma4_multimodal"  # gemma4_dense saved as a multimodal checkpoint
 
 
-def build_hf_model(variant: str, seed: int = 0):
-    """The transformers model of a variant with every tensor redrawn (fp32, eval mode)."""
+def build_hf_model(variant: str, seed: int = 0, **overrides):
+    """The transformers model of a variant (config fields `overrides` changed) with every tensor redrawn
+    (fp32, eval mode)."""
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig
 
-    spec = dict(VARIANTS[variant])
+    spec = dict(VARIANTS[variant], **overrides)
     family = spec.pop("family")
     if family == "gemma3":
         model = Gemma3ForCausalLM(Gemma3TextConfig(**_COMMON, **spec))
@@ -80,13 +81,14 @@ def redraw(model, gen, norm_centre: float = 1.0) -> None:
                 t.copy_(0.15 * torch.randn(t.shape, generator=gen))
 
 
-def write_random_checkpoint(variant: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a variant as a HF directory; `gemma4_multimodal` writes gemma4_dense in the multimodal layout
-    (`model.language_model.` names, a `gemma4` config wrapping `text_config`, and a vision tensor to ignore)."""
+def write_random_checkpoint(variant: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write a variant (config fields `overrides` changed) as a HF directory; `gemma4_multimodal` writes
+    gemma4_dense in the multimodal layout (`model.language_model.` names, a `gemma4` config wrapping
+    `text_config`, and a vision tensor to ignore)."""
     out_dir = Path(out_dir)
     if variant == MULTIMODAL_VARIANT:
         return _write_multimodal(out_dir, seed)
-    model = build_hf_model(variant, seed)
+    model = build_hf_model(variant, seed, **overrides)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 

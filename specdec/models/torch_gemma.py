@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.errors import SpecdecError
 from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, rope_inv_freq
 
 # Experts are gathered per token while that reads fewer weights than running every expert densely.
@@ -84,15 +85,26 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.cfg)
 
 
+def sum_across(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of the devices' partial outputs of a row-parallel linear (tensor parallelism; group None:
+    one device, nothing to sum). A functional collective, so torch.compile traces it and CUDA graphs capture it."""
+    if group is None:
+        return x
+    from torch.distributed import _functional_collectives as collectives
+
+    return collectives.all_reduce(x, "sum", group)
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, tp_group=None):
         super().__init__()
+        self.tp_group = tp_group
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gelu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return sum_across(gelu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight), self.tp_group)
 
 
 @dataclass
@@ -160,8 +172,9 @@ def _write_kv(cache: KVCache, index: int, slots, keys: torch.Tensor, values: tor
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GemmaConfig, spec: LayerSpec):
+    def __init__(self, cfg: GemmaConfig, spec: LayerSpec, tp_group=None):
         super().__init__()
+        self.tp_group = tp_group
         self.spec = spec
         self.num_heads = cfg.num_heads
         self.scale = cfg.attention_scale
@@ -237,7 +250,7 @@ class Attention(nn.Module):
         widths = [v.shape[2] for _, v, _ in parts]
         out = sum(p @ v for p, (_, v, _) in zip(probs.split(widths, dim=-1), parts))
         out = out.view(B, nkv, groups, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.num_heads * hd)
-        return self.o_proj(out)
+        return sum_across(self.o_proj(out), self.tp_group)
 
 
 class Router(nn.Module):
@@ -284,11 +297,11 @@ class Experts(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: GemmaConfig, spec: LayerSpec):
+    def __init__(self, cfg: GemmaConfig, spec: LayerSpec, tp_group=None):
         super().__init__()
         h = cfg.hidden_size
-        self.self_attn = Attention(cfg, spec)
-        self.mlp = MLP(h, spec.intermediate_size)
+        self.self_attn = Attention(cfg, spec, tp_group)
+        self.mlp = MLP(h, spec.intermediate_size, tp_group)
         self.input_layernorm = RMSNorm(h, cfg)
         self.post_attention_layernorm = RMSNorm(h, cfg)
         self.pre_feedforward_layernorm = RMSNorm(h, cfg)
@@ -339,12 +352,17 @@ def _embedding(num: int, dim: int) -> nn.Embedding:
 class GemmaModel(nn.Module):
     """The text model; parameter names are the checkpoint's stripped HF names."""
 
-    def __init__(self, cfg: GemmaConfig, max_seq_len: int = 4096):
+    def __init__(self, cfg: GemmaConfig, max_seq_len: int = 4096, tp_group=None):
+        """`tp_group`: a torch.distributed group over which the model runs tensor-parallel; `cfg` is then this
+        device's share (GemmaConfig.shard) and the outputs of o_proj and down_proj are summed across it."""
         super().__init__()
+        if tp_group is not None and cfg.enable_moe_block:
+            raise SpecdecError("tensor parallelism in the torch engine does not split MoE experts yet (the JAX engine does)")
         self.cfg = cfg
+        self.tp_group = tp_group
         h = cfg.hidden_size
         self.embed_tokens = _embedding(cfg.vocab_size, h)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, spec) for spec in cfg.layers])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, spec, tp_group) for spec in cfg.layers])
         self.norm = RMSNorm(h, cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
@@ -363,32 +381,54 @@ class GemmaModel(nn.Module):
             self.register_buffer(f"sin_{kind}", sin, persistent=False)
 
     @classmethod
-    def from_checkpoint(cls, path, dtype=torch.float32, device="cpu", max_seq_len: int = 4096) -> "GemmaModel":
+    def from_checkpoint(cls, path, dtype=torch.float32, device="cpu", max_seq_len: int = 4096,
+                        tp_group=None) -> "GemmaModel":
+        """`tp_group`: load this device's share of a tensor-parallel model over the group (each device reads
+        only its slices of the split weights)."""
         from specdec.models.checkpoint import load_checkpoint
 
-        cfg, tensors = load_checkpoint(path, framework="pt", dtype=dtype, device=device)
+        shard = None
+        if tp_group is not None:
+            import torch.distributed as dist
+
+            shard = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+        cfg, tensors = load_checkpoint(path, framework="pt", dtype=dtype, device=device, shard=shard)
+        if shard is not None:
+            cfg = cfg.shard(shard[1])
         with torch.device("meta"):
-            model = cls(cfg, max_seq_len)
+            model = cls(cfg, max_seq_len, tp_group)
         model.load_state_dict(tensors, strict=True, assign=True)
         model._build_rope_tables()  # non-persistent buffers are rebuilt off the meta device
         return model.to(device).eval()
 
     @classmethod
     def random(cls, cfg: GemmaConfig, dtype=torch.bfloat16, device="cpu", max_seq_len: int = 4096,
-               seed: int = 0) -> "GemmaModel":
+               seed: int = 0, tp_group=None) -> "GemmaModel":
         """Random weights of a config, drawn on the device (benchmarks at real shapes; jax_gemma.random_params
-        is the JAX twin): matrices ~ N(0, 1/fan_in), norms and scalars at their neutral value."""
+        is the JAX twin): matrices ~ N(0, 1/fan_in), norms and scalars at their neutral value. Each matrix is
+        drawn whole from its own seed, so the devices of a tensor-parallel model (`tp_group`: this device
+        keeps its slices) hold slices of one model."""
+        from specdec.models.checkpoint import expected_shapes, shard_index
+
+        shard, local = None, cfg
+        if tp_group is not None:
+            import torch.distributed as dist
+
+            shard = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+            local = cfg.shard(shard[1])
         with torch.device("meta"):
-            model = cls(cfg, max_seq_len)
+            model = cls(local, max_seq_len, tp_group)
         model = model.to(dtype).to_empty(device=device)  # cast on the meta device: nothing allocated in fp32
-        gen = torch.Generator(device=device).manual_seed(seed)
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
         neutral = 1.0 - cfg.norm_weight_offset  # Gemma 3 norms scale by (1 + w), Gemma 4 by w
         with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                if t.ndim <= 1:
-                    t.fill_(neutral)
-                else:
-                    t.normal_(0.0, t.shape[-1] ** -0.5, generator=gen)
+            for i, (name, shape) in enumerate(sorted(expected_shapes(cfg).items())):
+                if len(shape) == 1:
+                    tensors[name].fill_(neutral)
+                    continue
+                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + i)
+                whole = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, shape[-1] ** -0.5, generator=gen)
+                tensors[name].copy_(whole[shard_index(cfg, name, shape, shard)])
         model._build_rope_tables()
         return model.to(device).eval()
 

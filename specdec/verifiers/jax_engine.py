@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specdec.acceptance.jax_rule import accept_greedy, accept_sampled
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, StopCondition, check_context
-from specdec.models.config import GemmaConfig, decode_width
+from specdec.models.config import EXPERTS, GemmaConfig, check_tensor_parallel, decode_width, tp_split_axis
 from specdec.models.jax_gemma import Cache, Params, forward, init_cache, load_params, reset_cache
 from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams
@@ -57,30 +57,15 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
 
 def check_mesh(cfg: GemmaConfig, mesh: Mesh) -> None:
     """Every split dimension must divide evenly over the mesh; raised before anything is compiled."""
-    tp = mesh.shape[TP_AXIS]
-    problems = []
-    if cfg.num_heads % tp:
-        problems.append(f"{cfg.num_heads} attention heads")
-    for spec in cfg.layers:
-        if spec.owns_cache and spec.num_kv_heads % tp:
-            problems.append(f"{spec.num_kv_heads} KV heads of layer {spec.index}")
-        if spec.intermediate_size % tp:
-            problems.append(f"MLP width {spec.intermediate_size} of layer {spec.index}")
-    if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise SpecdecError(f"a tensor-parallel mesh of {tp} devices does not divide {problems[0]}{more}")
+    check_tensor_parallel(cfg, mesh.shape[TP_AXIS])
 
 
 def param_partition_spec(cfg: GemmaConfig, name: str, tp: int) -> P:
-    """Heads and MLP columns split over the mesh; o_proj and down_proj split by row (their outputs are
-    reduced across devices); experts split by expert when they divide; embeddings and norms replicated."""
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")):
-        return P(TP_AXIS, None)
-    if name.endswith(("o_proj.weight", "mlp.down_proj.weight")):
-        return P(None, TP_AXIS)
-    if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and cfg.num_experts % tp == 0:
-        return P(TP_AXIS, None, None)
-    return P()
+    """The mesh axis on the dimension config.tp_split_axis names (none: replicated)."""
+    axis = tp_split_axis(cfg, name, tp)
+    if axis is None:
+        return P()
+    return P(*(TP_AXIS if d == axis else None for d in range(3 if name.endswith(EXPERTS) else 2)))
 
 
 def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh) -> Params:

@@ -1,0 +1,128 @@
+"""Tensor parallelism in the torch engine: two processes over torch.distributed (gloo on the CPU; NCCL on
+GPUs), each holding its slices of the split weights, decode exactly what one process decodes, plain and
+speculative, and configurations that do not split are refused in one line."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from specdec.errors import SpecdecError
+from specdec.models.config import GemmaConfig
+
+WORKER = textwrap.dedent("""
+    import json, sys
+    import torch.distributed as dist
+    rank, world, port, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    import numpy as np
+    from specdec.generate import HostCycle, StopCondition, run_cycles
+    from specdec.models.torch_gemma import GemmaModel
+    from specdec.protocol import Draft
+    from specdec.sampling import SamplingParams
+    from specdec.verifiers.torch_engine import TorchEngine
+
+    prompt = [2] + list(range(5, 21)) * 3
+    model = GemmaModel.from_checkpoint(ckpt, max_seq_len=256, tp_group=dist.group.WORLD if world > 1 else None)
+    engine = TorchEngine(model, max_seq_len=256, k_max=4)
+    plain = engine.greedy_decode(prompt, 48)
+
+    class Oracle:  # proposes the plain continuation, every 5th token wrong: acceptances and corrections
+        def begin(self, prompts):
+            self.done = 0
+
+        def propose(self, k):
+            index = np.arange(self.done, self.done + k)
+            tokens = np.array([(plain[i] + (i % 5 == 3)) % 512 if i < len(plain) else 0 for i in index])
+            return Draft(tokens[None], np.array([k]))
+
+        def observe(self, emitted, hidden=None):
+            self.done += len(emitted[0])
+
+    speculative = run_cycles(HostCycle(engine, Oracle(), 4, SamplingParams()), [prompt], 4, StopCondition(48))
+    if rank == 0:
+        print(json.dumps({"plain": plain, "speculative": speculative.tokens[0], "tau": speculative.stats.tau,
+                          "q_rows": model.layers[0].self_attn.q_proj.weight.shape[0],
+                          "down_cols": model.layers[0].mlp.down_proj.weight.shape[1]}))
+    dist.destroy_process_group()
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def decode(ckpt, world: int) -> dict:
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(world), port, str(ckpt)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def k_eq_v_checkpoint(tmp_path_factory):
+    """31B-shaped (k_eq_v globals with their own head_dim) with 2 global KV heads, so they split over 2."""
+    from specdec.models.random_init import write_random_checkpoint
+
+    return write_random_checkpoint("gemma4_dense", tmp_path_factory.mktemp("tp") / "dense", num_global_key_value_heads=2)
+
+
+@pytest.mark.parametrize("variant", ["gemma4_e", "k_eq_v"])
+def test_two_devices_decode_what_one_decodes(random_checkpoints, k_eq_v_checkpoint, variant):
+    ckpt = k_eq_v_checkpoint if variant == "k_eq_v" else random_checkpoints[variant]
+    one, two = decode(ckpt, 1), decode(ckpt, 2)
+    assert len(set(one["plain"])) > 10  # not a degenerate repetition
+    assert two["plain"] == one["plain"]
+    assert two["speculative"] == one["speculative"] == one["plain"]
+    assert two["tau"] == one["tau"] > 1.0
+    assert (two["q_rows"], two["down_cols"]) == (one["q_rows"] // 2, one["down_cols"] // 2)
+
+
+def test_configurations_that_do_not_split_are_refused(random_checkpoints):
+    from specdec.models.torch_gemma import GemmaModel
+
+    dense = GemmaConfig.from_file(random_checkpoints["gemma4_dense"] / "config.json")
+    with pytest.raises(SpecdecError, match=r"^a tensor-parallel mesh of 2 devices does not divide 1 KV heads of layer 2 \(\+1 more\)$"):
+        dense.shard(2)
+    moe = GemmaConfig.from_file(random_checkpoints["gemma4_moe"] / "config.json")
+    with pytest.raises(SpecdecError, match="does not split MoE experts"):
+        GemmaModel(moe, 64, tp_group=object())
+
+
+def generate(ckpt, tmp_path, *extra, launcher=(), env=None):
+    cmd = [sys.executable, *launcher, "-m", "specdec", "generate", "def add(a, b):", "--target", str(ckpt),
+           "--max-new-tokens", "12", *extra]
+    env = dict(os.environ, SPECDEC_CACHE=str(tmp_path / "cache"), **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_cli_under_torchrun_prints_what_one_process_prints(ckpt, tmp_path):
+    one = generate(ckpt, tmp_path)
+    torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()))
+    two = generate(ckpt, tmp_path, "--tensor-parallel", "2", launcher=torchrun)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and one.stdout.startswith("def add(a, b):")  # the first process alone prints
+    assert two.stderr.count("tokens at") == 1
+
+
+def test_cli_jax_splits_over_the_process_devices(ckpt, tmp_path):
+    devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    one = generate(ckpt, tmp_path, "--engine", "jax", env=devices)
+    two = generate(ckpt, tmp_path, "--engine", "jax", "--tensor-parallel", "2", env=devices)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout
+
+
+def test_cli_tensor_parallel_without_torchrun_is_one_line(ckpt, tmp_path):
+    result = generate(ckpt, tmp_path, "--tensor-parallel", "2")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].endswith("launch with torchrun --nproc-per-node N")
