@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specdec.acceptance.jax_rule import accept_greedy, accept_sampled
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, StopCondition, check_context
-from specdec.models.config import EXPERTS, GemmaConfig, check_tensor_parallel, decode_width, tp_split_axis
+from specdec.models.config import GemmaConfig, check_tensor_parallel, decode_width, tp_split_axis
 from specdec.models.jax_gemma import Cache, Params, forward, init_cache, load_params, reset_cache
 from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams
@@ -61,11 +61,10 @@ def check_mesh(cfg: GemmaConfig, mesh: Mesh) -> None:
 
 
 def param_partition_spec(cfg: GemmaConfig, name: str, tp: int) -> P:
-    """The mesh axis on the dimension config.tp_split_axis names (none: replicated)."""
+    """The mesh axis on the dimension config.tp_split_axis names (none: replicated; dimensions past the
+    split one are whole)."""
     axis = tp_split_axis(cfg, name, tp)
-    if axis is None:
-        return P()
-    return P(*(TP_AXIS if d == axis else None for d in range(3 if name.endswith(EXPERTS) else 2)))
+    return P() if axis is None else P(*[None] * axis, TP_AXIS)
 
 
 def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh) -> Params:
