@@ -238,7 +238,7 @@ def load_head(path: str | Path) -> Eagle3Head:
     """Read a head directory: specdec's own, or one exported for / by vLLM or SGLang (a `model.` prefix on
     the layer names, a `layers.0.` in place of `midlayer.`, is accepted). Every tensor's name and shape is
     checked; without d2t the draft vocabulary is the target's."""
-    from safetensors import SafetensorError, safe_open
+    from specdec.models.checkpoint import numpy_views
 
     directory = Path(path)
     if not (directory / CONFIG_NAME).is_file():
@@ -253,13 +253,8 @@ def load_head(path: str | Path) -> Eagle3Head:
         raise SpecdecError(f"{directory}: no safetensors file")
     stored: dict[str, np.ndarray] = {}
     for file in files:
-        try:
-            with safe_open(str(file), framework="numpy") as f:
-                for name in f.keys():
-                    canonical = name.removeprefix("model.").replace("layers.0.", "midlayer.")
-                    stored[canonical] = f.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise SpecdecError(f"{file}: unreadable safetensors file ({e})") from None
+        for name, tensor in numpy_views(file).items():
+            stored[name.removeprefix("model.").replace("layers.0.", "midlayer.")] = tensor
     params = {}
     for name, shape in cfg.shapes().items():
         if name not in stored:

@@ -166,14 +166,7 @@ def load_assistant(path: str | Path) -> Assistant:
     """Read an assistant directory as transformers saves it (config.json of model_type gemma4_assistant;
     model.safetensors or shards with an index), in float32 whatever the stored dtype. Every expected tensor's
     name and shape is checked; the unused K/V weights of shared layers, and lm_head when tied, are ignored."""
-    from safetensors import SafetensorError, safe_open
-
-    from specdec.models.checkpoint import _shard_files
-
-    try:
-        import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: bf16 checkpoints then read as numpy)
-    except ImportError:
-        pass
+    from specdec.models.checkpoint import _shard_files, numpy_views
 
     directory = Path(path)
     config_file = directory / "config.json"
@@ -192,16 +185,14 @@ def load_assistant(path: str | Path) -> Assistant:
         if name not in expected and not _ignored(name):
             stored, file = files[name]
             raise SpecdecError(f"{file}: unexpected tensor {stored!r} for this config")
-    tensors = {}
+    tensors, views = {}, {}
     for name, shape in expected.items():
         if name not in files:
             raise SpecdecError(f"{directory}: missing tensor {_stored_name(name)!r}")
         stored, file = files[name]
-        try:
-            with safe_open(str(file), framework="numpy") as f:
-                tensor = f.get_tensor(stored)
-        except (SafetensorError, OSError, TypeError) as e:  # TypeError: a dtype numpy does not know
-            raise SpecdecError(f"{file}: unreadable safetensors file ({e})") from None
+        if file not in views:
+            views[file] = numpy_views(file)
+        tensor = views[file][stored]
         if tuple(tensor.shape) != shape:
             raise SpecdecError(f"{file}: tensor {stored!r} has shape {tuple(tensor.shape)}, config expects {shape}")
         tensors[name] = tensor

@@ -142,7 +142,7 @@ def load_checkpoint(
     tensors: dict[str, Any] = {}
     for file, wanted in by_file.items():
         if framework == "numpy":
-            views = _numpy_views(file)
+            views = numpy_views(file)
             for name in wanted:
                 t = views[names[name]]
                 if t.shape != expected[name]:
@@ -172,7 +172,7 @@ _NUMPY_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "I64": "i
                  "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
-def _numpy_views(file: Path) -> dict[str, Any]:
+def numpy_views(file: Path) -> dict[str, Any]:
     """Every tensor of a safetensors file as a read-only numpy view of the memory-mapped file: no copy (the
     device transfer reads the page cache directly; safetensors' numpy reader copies every tensor first, a
     second per GB, and knows no bf16). Layout (the format's spec): an 8-byte little-endian header length,
@@ -182,6 +182,8 @@ def _numpy_views(file: Path) -> dict[str, Any]:
     try:
         with open(file, "rb") as f:
             header_len = int.from_bytes(f.read(8), "little")
+            if not 0 < header_len <= file.stat().st_size - 8:  # not a safetensors file: do not read a bogus length
+                raise ValueError(f"a header of {header_len} bytes in a file of {file.stat().st_size}")
             header = json.loads(f.read(header_len))
         data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len)
         views = {}

@@ -172,6 +172,20 @@ def test_save_and_load_round_trip(head, tmp_path):
     assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(head.cfg.aux_layer_ids)
 
 
+def test_bf16_heads_load_in_float32(head, tmp_path):
+    """Heads trained elsewhere are often saved in bf16 (vLLM layout, `model.` prefix): read as their values."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_head(tmp_path / "head", head.cfg, head.params, head.d2t, head.t2d)
+    stored = load_file(path / "model.safetensors")
+    save_file({("model." + n if n.startswith("midlayer.") else n): t.bfloat16() if t.is_floating_point() else t
+               for n, t in stored.items()}, path / "model.safetensors")
+    loaded = load_head(path)
+    for name, value in head.params.items():
+        np.testing.assert_array_equal(loaded.params[name], torch.from_numpy(value).bfloat16().float().numpy(), err_msg=name)
+    np.testing.assert_array_equal(loaded.d2t, head.d2t)
+
+
 def test_heads_for_another_target_are_refused(head, target_cfg, tmp_path, random_checkpoints):
     import dataclasses
 
