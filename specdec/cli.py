@@ -450,7 +450,9 @@ def train_eagle3_cmd(
     aux_layers: Optional[str] = typer.Option(None, help="aux layer ids a,b,c, vLLM's convention [the data's, else 2, L/2, L-3]"),
     offline: Optional[bool] = typer.Option(None, "--offline/--online", help="read the target's states from the data (distilled with --dump-features) [online]"),
     compute_dtype: Optional[str] = typer.Option(None, help="the head's matmuls (its weights stay float32): float32 | bfloat16 [bfloat16 on accelerators, float32 on CPU]"),
-    seed: Optional[int] = typer.Option(None, help="head initialisation and data order [0]"),
+    seed: Optional[int] = typer.Option(None, help="head initialisation, held-out rows and data order [0]"),
+    eval_rows: Optional[int] = typer.Option(None, help="rows held out from training to evaluate the head on (OUT/eval_log.jsonl) [0]"),
+    eval_every: Optional[int] = typer.Option(None, help="steps between evaluations of the held-out rows [--save-every]"),
     save_every: Optional[int] = typer.Option(None, help="steps between checkpoints [500]"),
     keep: Optional[int] = typer.Option(None, help="checkpoints kept [3]"),
     log_every: Optional[int] = typer.Option(None, help="steps between metric reports [10]"),
@@ -471,13 +473,15 @@ def train_eagle3_cmd(
     cfg = TrainConfig.load(
         config, data=data, out=out, target=target, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
         warmup=warmup, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers, offline=offline,
-        compute_dtype=compute_dtype, seed=seed, save_every=save_every, keep=keep, log_every=log_every,
+        compute_dtype=compute_dtype, seed=seed, eval_rows=eval_rows, eval_every=eval_every, save_every=save_every, keep=keep, log_every=log_every,
         wandb_project=wandb_project, wandb_mode=wandb_mode, devices=devices, coordinator_address=coordinator_address,
         num_processes=num_processes, process_id=process_id,
     )
     result = train_eagle3(cfg, resume=resume, stop_after=stop_after, console=err)
     m = result.metrics
     stats = f" · loss {m['loss']:.4f} · acc0 {m['acc_0']:.3f}" if m else ""
+    if result.eval_metrics:
+        stats += f" · held-out acc0 {result.eval_metrics['eval_acc_0']:.3f}"
     where = f"head in {result.head}" if result.head else f"checkpoint {result.checkpoint}"
     err.print(f"step {result.step}/{cfg.steps}{stats} · {where}", highlight=False, soft_wrap=True)
 

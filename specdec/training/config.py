@@ -21,7 +21,7 @@ DTYPES = ("float32", "bfloat16")
 # that differs only in these resumes. (`devices` too: more devices split the same global batch.)
 OPERATIONAL = frozenset({
     "out", "save_every", "keep", "log_every", "wandb_project", "wandb_mode", "wandb_run_name", "devices",
-    "coordinator_address", "num_processes", "process_id", "target",
+    "coordinator_address", "num_processes", "process_id", "target", "eval_every",
 })
 
 
@@ -49,7 +49,9 @@ class TrainConfig:
     # None: bfloat16 on accelerators, float32 on CPU (resolved so in the saved config).
     compute_dtype: str | None = None
     target_dtype: str | None = None
-    seed: int = 0  # head initialisation and the data order (a permutation per epoch)
+    seed: int = 0  # head initialisation, the held-out rows and the data order (a permutation per epoch)
+    eval_rows: int = 0  # rows of the data held out from training, on which the head is evaluated
+    eval_every: int | None = None  # steps between evaluations of the held-out rows; None: at every checkpoint
     save_every: int = 500
     keep: int = 3  # checkpoints kept (the newest)
     log_every: int = 10  # steps between host syncs for the progress bar and wandb
@@ -70,6 +72,10 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise SpecdecError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.eval_rows < 0:
+            raise SpecdecError(f"--eval-rows must be >= 0, got {self.eval_rows}")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise SpecdecError(f"--eval-every must be >= 1, got {self.eval_every}")
         if self.seq_len < 3:
             raise SpecdecError(f"--seq-len must be >= 3, got {self.seq_len}")
         if not self.lr > 0:

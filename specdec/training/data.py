@@ -6,9 +6,12 @@ training, `hidden` [len, 3, H] (the target's states after the engine layers `Eag
 `last_hidden` [len, H] (after the last layer). The columns are read straight from the memory-mapped Arrow
 files: a row is a slice of one flat buffer, so a batch of features costs a copy, not a conversion.
 
-Order: step s takes the global sample positions s*B .. s*B+B-1; position p is row perm_e[p mod n] of epoch
-e = p // n, perm_e a permutation drawn from (seed, e). A batch is a pure function of (seed, step), so a run
-resumed at step s reads exactly what the uninterrupted run would have. Rows are truncated to their first
+Held out: `eval_rows` rows, drawn with the seed, are never trained on (`eval_index`); the training rows are
+the others (`train_index`, n of them). The draft vocabulary is counted over the training rows only.
+
+Order: step s takes the global sample positions s*B .. s*B+B-1; position p is training row perm_e[p mod n] of
+epoch e = p // n, perm_e a permutation drawn from (seed, e). A batch is a pure function of (seed, step), so a
+run resumed at step s reads exactly what the uninterrupted run would have. Rows are truncated to their first
 `seq_len` tokens and padded after their end (pad token, loss mask 0).
 """
 
@@ -25,6 +28,7 @@ import numpy as np
 from specdec.errors import SpecdecError
 
 MANIFEST = "manifest.json"
+HOLDOUT_STREAM = 1 << 40  # the held-out rows' random stream, apart from the epochs' (seed, epoch)
 
 
 class _Ragged:
@@ -100,7 +104,7 @@ def read_manifest(directory: Path) -> Manifest:
 class TrainData:
     """A distilled dataset opened for training."""
 
-    def __init__(self, path: str | Path, offline: bool = False):
+    def __init__(self, path: str | Path, offline: bool = False, eval_rows: int = 0, seed: int = 0):
         path = Path(path)
         if not path.is_dir():
             raise SpecdecError(f"{path}: no such data directory")
@@ -139,6 +143,12 @@ class TrainData:
             if not np.array_equal(self.hidden.lengths(), self.ids.lengths()):
                 raise SpecdecError(f"{path}: hidden and input_ids differ in length")
             self.feature_dtype = self.hidden.chunks[0][1].dtype if self.hidden.chunks else np.float16
+        if not 0 <= eval_rows < self.num_rows:
+            raise SpecdecError(f"--eval-rows {eval_rows}: the dataset has {self.num_rows} rows, at least one must be left "
+                               "to train on")
+        held_out = np.random.default_rng([seed, HOLDOUT_STREAM]).permutation(self.num_rows)[:eval_rows]
+        self.eval_index = np.sort(held_out)
+        self.train_index = np.setdiff1d(np.arange(self.num_rows), held_out)
         self._perm_cache: dict[tuple[int, int], np.ndarray] = {}
 
     def check_target(self, fingerprint: str, vocab_size: int, hidden_size: int) -> None:
@@ -152,9 +162,12 @@ class TrainData:
                 raise SpecdecError(f"{self.path}: token ids outside the target's vocabulary of {vocab_size}")
 
     def response_token_counts(self, vocab_size: int) -> np.ndarray:
-        """How often each target id occurs where loss_mask is 1: what the head learns to predict."""
+        """How often each target id occurs where loss_mask is 1 in a training row: what the head learns to predict."""
         ids = np.concatenate([v for v, _ in self.ids.all_values()])
         mask = np.concatenate([v for v, _ in self.mask.all_values()]).astype(bool)
+        if len(self.eval_index):
+            row_of_token = np.repeat(np.arange(self.num_rows), self.ids.lengths())
+            mask &= ~np.isin(row_of_token, self.eval_index)
         return np.bincount(ids[mask].astype(np.int64), minlength=vocab_size)[:vocab_size]
 
     # -- order ------------------------------------------------------------------------------------------
@@ -164,18 +177,27 @@ class TrainData:
         if key not in self._perm_cache:
             if len(self._perm_cache) > 4:
                 self._perm_cache.clear()
-            self._perm_cache[key] = np.random.default_rng([seed, epoch]).permutation(self.num_rows)
+            self._perm_cache[key] = np.random.default_rng([seed, epoch]).permutation(len(self.train_index))
         return self._perm_cache[key]
 
     def rows_of_step(self, seed: int, step: int, global_batch: int) -> np.ndarray:
+        n = len(self.train_index)
         positions = step * global_batch + np.arange(global_batch, dtype=np.int64)
-        return np.asarray([self.permutation(seed, int(p // self.num_rows))[p % self.num_rows] for p in positions])
+        return np.asarray([self.train_index[self.permutation(seed, int(p // n))[p % n]] for p in positions])
+
+    def eval_batches(self, global_batch: int) -> list[np.ndarray]:
+        """The held-out rows in batches of `global_batch`, the last one filled up with -1 (empty rows)."""
+        index = self.eval_index
+        filled = np.full(-(-len(index) // global_batch) * global_batch, -1, np.int64)
+        filled[: len(index)] = index
+        return list(filled.reshape(-1, global_batch))
 
     # -- batches ----------------------------------------------------------------------------------------
 
     def batch(self, rows, seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
         """tokens [b, seq_len] int32; mask [b, seq_len] bool (loss_mask, real tokens only); valid [b, seq_len]
-        bool (real tokens); offline also taps [b, seq_len, 3, H] and last [b, seq_len, H] in the stored dtype."""
+        bool (real tokens); offline also taps [b, seq_len, 3, H] and last [b, seq_len, H] in the stored dtype.
+        A row id of -1 gives an empty row (padding only, nothing counted)."""
         b = len(rows)
         tokens = np.full((b, seq_len), pad_id, np.int32)
         mask = np.zeros((b, seq_len), bool)
@@ -185,6 +207,8 @@ class TrainData:
             out["taps"] = taps = np.zeros((b, seq_len, 3, self.hidden_size), self.feature_dtype)
             out["last"] = last = np.zeros((b, seq_len, self.hidden_size), self.feature_dtype)
         for i, r in enumerate(rows):
+            if r < 0:
+                continue
             ids = self.ids.row(int(r), seq_len)
             n = len(ids)
             tokens[i, :n] = ids

@@ -102,7 +102,9 @@ def teacher(tparams, tcfg, last, draft_ids, t2d, chunk: int = ARGMAX_CHUNK):
 
 
 def eagle3_loss(head_params, hcfg: Eagle3Config, tcfg, tparams, vocab: dict, batch: dict, settings: LossSettings):
-    """-> (the weighted loss, metrics: the loss, and step_loss, step_acc, step_count [S] per TTT step). `vocab` holds
+    """-> (the weighted loss, metrics: the loss, and per TTT step [S] step_loss, step_acc, step_count (the pairs
+    counted) and step_total (the pairs predicted, counted or not: the target's argmax may lie outside the draft
+    vocabulary)). `vocab` holds
     draft_ids [Vd] (target id of each draft id) and t2d [V]; `batch` tokens [B, N], mask [B, N] (loss mask
     and real token), and offline taps [B, N, 3, H] and last [B, N, H]."""
     tokens = batch["tokens"]
@@ -120,9 +122,10 @@ def eagle3_loss(head_params, hcfg: Eagle3Config, tcfg, tparams, vocab: dict, bat
     logits = ej.ttt_logits(params, hcfg, tparams["embed_tokens.weight"], tokens, features, settings.ttt_steps)
 
     mask = batch["mask"].astype(bool)
-    losses, accs, counts = [], [], []
+    losses, accs, counts, totals = [], [], [], []
     for j in range(settings.ttt_steps):
-        counted = ej.shifted(mask, j + 2) & ej.shifted(in_vocab, j + 1)  # fill False: t+2+j >= N
+        predicted = ej.shifted(mask, j + 2)  # fill False: t+2+j >= N
+        counted = predicted & ej.shifted(in_vocab, j + 1)
         p = ej.shifted(probs, j + 1)
         logq = jax.nn.log_softmax(logits[j], axis=-1)
         ce = -jnp.sum(p * logq, axis=-1)
@@ -132,9 +135,11 @@ def eagle3_loss(head_params, hcfg: Eagle3Config, tcfg, tparams, vocab: dict, bat
         hits = (jnp.argmax(logits[j], axis=-1) == ej.shifted(target_arg, j + 1)) & counted
         accs.append(hits.sum() / denom)
         counts.append(count)
+        totals.append(predicted.sum())
     losses = jnp.stack(losses)
     loss = jnp.sum(jnp.asarray(settings.step_weights, jnp.float32) * losses)
-    metrics = {"loss": loss, "step_loss": losses, "step_acc": jnp.stack(accs), "step_count": jnp.stack(counts)}
+    metrics = {"loss": loss, "step_loss": losses, "step_acc": jnp.stack(accs), "step_count": jnp.stack(counts),
+               "step_total": jnp.stack(totals)}
     return loss, metrics
 
 

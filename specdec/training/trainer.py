@@ -4,7 +4,10 @@
 
 Writes OUT/checkpoints/step_N/ (specdec.training.checkpoint) every `save_every` steps and at the end,
 OUT/head/ (the head in the vLLM/SGLang EAGLE-3 layout, `specdec generate --drafter eagle3=OUT/head`),
-and OUT/train_log.jsonl (the metrics of every logged step). A run whose OUT already holds a checkpoint of
+OUT/train_log.jsonl (the metrics of every logged step) and, with `eval_rows`, OUT/eval_log.jsonl: the same
+metrics over rows held out from training (teacher-forced, every TTT step), every `eval_every` steps. Their
+gap to the training metrics is how much the head memorises its data rather than learning the target. A
+finished run plots both as OUT/training.png. A run whose OUT already holds a checkpoint of
 the same config (TrainConfig.identity) continues from its newest checkpoint, exactly: the parameters after
 N steps are the same whether or not the run was killed and resumed in between.
 
@@ -32,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 
 from specdec.errors import SpecdecError
 from specdec.training.config import TrainConfig
@@ -48,6 +52,7 @@ class TrainResult:
     metrics: dict  # the last logged metrics
     resumed_from: int  # 0: a fresh run
     devices: int = 1  # in the data-parallel mesh
+    eval_metrics: dict = dataclasses.field(default_factory=dict)  # the last evaluation of the held-out rows
 
 
 def env_multi_host(cfg: TrainConfig) -> TrainConfig:
@@ -106,7 +111,7 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
     target_path = resolve_checkpoint(cfg.target)
     tcfg = GemmaConfig.from_file(target_path / "config.json")
     fingerprint = checkpoint_fingerprint(target_path)
-    data = TrainData(cfg.data, cfg.offline)
+    data = TrainData(cfg.data, cfg.offline, cfg.eval_rows, cfg.seed)
     data.check_target(fingerprint, tcfg.vocab_size, tcfg.hidden_size)
 
     aux = tuple(cfg.aux_layer_ids or (data.manifest.aux_layer_ids if cfg.offline else None)
@@ -207,9 +212,21 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
         return {k: jax.make_array_from_process_local_data(split, v, (cfg.batch_size, *v.shape[1:]))
                 for k, v in host.items() if k != "valid"}
 
+    eval_loss = train.make_eval_loss(head_cfg, tcfg, settings, mesh) if len(data.eval_index) else None
+    eval_every = cfg.eval_every or cfg.save_every
+
+    def evaluate(step: int) -> dict:
+        per_batch = []
+        for rows in data.eval_batches(cfg.batch_size):
+            host = data.batch(rows[pid * local:(pid + 1) * local], cfg.seq_len, tcfg.pad_token_id)
+            _, metrics = eval_loss(state.params, tparams, vocab, device_batch(host))
+            per_batch.append({k: ckpts.host_array(v) for k, v in metrics.items()})
+        return monitor.log_eval(step, held_out_metrics(per_batch, settings.step_weights))
+
     monitor = Monitor(resolved, out, start, cfg.steps, lead, console, progress, resumed=existing is not None)
     prefetch = Prefetcher(host_batch, start, stop)
     last_metrics: dict = {}
+    last_eval: dict = {}
     checkpoint = existing
     step = start
     try:
@@ -221,13 +238,38 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
             monitor.advance(int(host["valid"].sum()) * nproc)
             if step % cfg.log_every == 0 or step == cfg.steps:
                 last_metrics = monitor.log(step, {k: ckpts.host_array(v) for k, v in metrics.items()})
+            if eval_loss is not None and (step % eval_every == 0 or step == cfg.steps):
+                last_eval = evaluate(step)
             if step % cfg.save_every == 0 or step == cfg.steps:
                 checkpoint = save(step)
     finally:
         prefetch.close()
         monitor.close()
-    head = export() if step >= cfg.steps else None
-    return TrainResult(step, out, head, checkpoint, last_metrics, start, len(devices))
+    head = None
+    if step >= cfg.steps:
+        head = export()
+        if lead:
+            from specdec.training.report import plot_training_log
+
+            plot_training_log(monitor.log_path, out / "training.png",
+                              f"EAGLE-3 head for {target_path.name} · {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens")
+    return TrainResult(step, out, head, checkpoint, last_metrics, start, len(devices), last_eval)
+
+
+def held_out_metrics(per_batch: list[dict], step_weights) -> dict:
+    """The loss metrics of the held-out batches combined as over one batch of all their rows: per TTT step j,
+    eval_loss_j and eval_acc_j (as the training's loss_j and acc_j), eval_count_j, and eval_coverage_j (the
+    share of predicted tokens whose target argmax lies in the draft vocabulary: the rest no head can draft);
+    eval_loss weighted over the steps as the training loss is."""
+    count = sum(np.asarray(m["step_count"], np.float64) for m in per_batch)
+    total = sum(np.asarray(m["step_total"], np.float64) for m in per_batch)
+    loss = sum(np.asarray(m["step_loss"], np.float64) * m["step_count"] for m in per_batch) / np.maximum(count, 1)
+    acc = sum(np.asarray(m["step_acc"], np.float64) * m["step_count"] for m in per_batch) / np.maximum(count, 1)
+    flat = {"eval_loss": float(np.dot(step_weights, loss))}
+    for j in range(len(count)):
+        flat[f"eval_loss_{j}"], flat[f"eval_acc_{j}"] = float(loss[j]), float(acc[j])
+        flat[f"eval_count_{j}"], flat[f"eval_coverage_{j}"] = int(count[j]), float(count[j] / max(total[j], 1))
+    return flat
 
 
 class Monitor:
@@ -240,13 +282,16 @@ class Monitor:
         self.bar = self.task = self.run = None
         self.tokens = 0
         self.since = time.perf_counter()
+        self.held_out = ""  # the last held-out accuracy, shown beside the training metrics
         if not lead:
             return
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "train_log.jsonl"
-        if self.log_path.is_file():  # a resumed run logs again the steps after its checkpoint
-            kept = [line for line in self.log_path.read_text().splitlines() if _logged_step(line) <= start]
-            self.log_path.write_text("".join(line + "\n" for line in kept))
+        self.eval_path = out / "eval_log.jsonl"
+        for path in (self.log_path, self.eval_path):
+            if path.is_file():  # a resumed run logs again the steps after its checkpoint
+                kept = [line for line in path.read_text().splitlines() if _logged_step(line) <= start]
+                path.write_text("".join(line + "\n" for line in kept))
         if progress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -283,9 +328,20 @@ class Monitor:
         with open(self.log_path, "a") as f:
             f.write(json.dumps({"step": step, **flat}) + "\n")
         if self.bar is not None:
-            self.bar.update(self.task, stats=f"loss {flat['loss']:.3f} · acc0 {flat['acc_0']:.3f} · {tok_s:,.0f} tok/s")
+            self.bar.update(self.task, stats=f"loss {flat['loss']:.3f} · acc0 {flat['acc_0']:.3f}{self.held_out} · "
+                                             f"{tok_s:,.0f} tok/s")
         if self.run is not None:
             self.run.log({f"train/{k}": v for k, v in flat.items()}, step=step)
+        return flat
+
+    def log_eval(self, step: int, flat: dict) -> dict:
+        if not self.lead:
+            return flat
+        with open(self.eval_path, "a") as f:
+            f.write(json.dumps({"step": step, **flat}) + "\n")
+        self.held_out = f" (held out {flat['eval_acc_0']:.3f})"
+        if self.run is not None:
+            self.run.log({f"eval/{k.removeprefix('eval_')}": v for k, v in flat.items()}, step=step)
         return flat
 
     def close(self) -> None:

@@ -100,3 +100,7 @@ def base_config(data, out, target, **overrides):
 
 def read_train_log(out):
     return [json.loads(line) for line in (Path(out) / "train_log.jsonl").read_text().splitlines()]
+
+
+def read_eval_log(out):
+    return [json.loads(line) for line in (Path(out) / "eval_log.jsonl").read_text().splitlines()]

@@ -68,6 +68,33 @@ def test_order_is_a_function_of_seed_and_step(sharded):
     np.testing.assert_array_equal(straddle[4:], data.permutation(3, 1)[:2])
 
 
+def test_held_out_rows_are_never_trained_on(sharded):
+    path, ids, masks = sharded[:3]
+    data = TrainData(path, eval_rows=3, seed=3)
+    held_out = set(data.eval_index.tolist())
+    assert len(held_out) == 3 and held_out == set(TrainData(path, eval_rows=3, seed=3).eval_index.tolist())
+    assert held_out != set(TrainData(path, eval_rows=3, seed=4).eval_index.tolist())
+    # Each epoch of 7 training rows visits each of them once, and never a held-out row.
+    seen = np.concatenate([data.rows_of_step(3, s, 7) for s in range(3)])
+    for epoch in range(3):
+        assert sorted(seen[7 * epoch:7 * epoch + 7]) == sorted(set(range(10)) - held_out)
+    # The draft vocabulary counts the training rows' responses only.
+    train = sorted(set(range(10)) - held_out)
+    counts = np.bincount(np.concatenate([ids[r][masks[r] == 1] for r in train]), minlength=50)
+    np.testing.assert_array_equal(data.response_token_counts(50), counts)
+    # Held-out batches hold every held-out row once; the last batch is filled with empty rows.
+    batches = data.eval_batches(2)
+    assert [b.tolist() for b in batches] == [sorted(held_out)[:2], [sorted(held_out)[2], -1]]
+    batch = data.batch(batches[1], seq_len=8, pad_id=7)
+    assert (batch["tokens"][1] == 7).all() and not batch["mask"][1].any() and not batch["valid"][1].any()
+    assert batch["valid"][0].sum() == min(len(ids[sorted(held_out)[2]]), 8)
+    # No held-out rows: the order of a run without them.
+    np.testing.assert_array_equal(TrainData(path, eval_rows=0, seed=3).rows_of_step(3, 1, 5),
+                                  TrainData(path).rows_of_step(3, 1, 5))
+    with pytest.raises(SpecdecError, match="--eval-rows 10: the dataset has 10 rows"):
+        TrainData(path, eval_rows=10)
+
+
 def test_bad_data_directories(sharded, tmp_path):
     path = sharded[0]
     with pytest.raises(SpecdecError, match="no such data directory"):

@@ -24,7 +24,7 @@ from specdec.training import eagle3 as train
 from specdec.training.checkpoint import list_checkpoints, read_checkpoint
 from specdec.training.data import TrainData
 from specdec.training.trainer import train_eagle3
-from tests.training.distilled import base_config, read_train_log, write_dataset
+from tests.training.distilled import base_config, read_eval_log, read_train_log, write_dataset
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[2]
@@ -51,28 +51,36 @@ def subprocess_env(**extra):
     return env
 
 
+HELD_OUT = 10  # rows of the 48 the whole run holds out: two evaluation batches of 8, the second mostly empty
+
+
 @pytest.fixture(scope="module")
 def trained(target, online_data, tmp_path_factory):
-    """The whole 30-step run of the shared config."""
+    """The whole 30-step run of the shared config, evaluating held-out rows every 10 steps."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    result = train_eagle3(base_config(online_data, out, target), progress=False)
+    result = train_eagle3(base_config(online_data, out, target, eval_rows=HELD_OUT, eval_every=10), progress=False)
     return result
 
 
-def eval_metrics(head_params, hcfg, target, data, d2t, t2d, steps=range(4)):
-    """Mean loss and step-0 accuracy of a head over the batches of the run's first steps."""
+def loss_metrics(head_params, hcfg, target, d2t, t2d, batches):
+    """The loss function's metrics of a head over each batch (dicts of numpy arrays)."""
     tcfg, params = jax_gemma.load_params(target, jnp.float32)
     loss_fn = train.make_eval_loss(hcfg, tcfg, train.LossSettings(ttt_steps=3), train.data_mesh(jax.devices()[:1]))
     vocab = {"draft_ids": jnp.asarray(draft_to_target(d2t), jnp.int32), "t2d": jnp.asarray(t2d)}
     head = {k: jnp.asarray(v) for k, v in head_params.items()}
-    losses, accs = [], []
-    for s in steps:
-        batch = data.batch(data.rows_of_step(0, s, 8), 48)
-        batch.pop("valid")
+    out = []
+    for batch in batches:
+        batch = {k: v for k, v in batch.items() if k != "valid"}
         loss, m = loss_fn(head, params, vocab, batch)
-        losses.append(float(loss))
-        accs.append(float(m["step_acc"][0]))
-    return np.mean(losses), np.mean(accs)
+        out.append({"loss": float(loss), **{k: np.asarray(v) for k, v in m.items()}})
+    return out
+
+
+def eval_metrics(head_params, hcfg, target, data, d2t, t2d, steps=range(4)):
+    """Mean loss and step-0 accuracy of a head over the batches of the run's first steps."""
+    batches = [data.batch(data.rows_of_step(0, s, 8), 48) for s in steps]
+    metrics = loss_metrics(head_params, hcfg, target, d2t, t2d, batches)
+    return np.mean([m["loss"] for m in metrics]), np.mean([m["step_acc"][0] for m in metrics])
 
 
 # -- (a) training learns --------------------------------------------------------------------------------
@@ -97,11 +105,30 @@ def test_training_lowers_the_loss_and_raises_accuracy(trained, target, online_da
     assert acc1 > acc0 + 0.4, (acc0, acc1)
 
 
+def test_held_out_rows_are_evaluated(trained, target, online_data):
+    """eval_log.jsonl holds, at steps 10, 20, 30, the loss metrics of the held-out rows as one batch of all of
+    them gives them (computed here directly, with the exported head at step 30), and the run plots both logs."""
+    log = read_eval_log(trained.out)
+    assert [r["step"] for r in log] == [10, 20, 30]
+    assert trained.eval_metrics == {k: v for k, v in log[-1].items() if k != "step"}
+    data = TrainData(online_data, eval_rows=HELD_OUT, seed=0)
+    head = load_head(trained.head)
+    (direct,) = loss_metrics(head.params, head.cfg, target, head.d2t, head.t2d, [data.batch(data.eval_index, 48)])
+    for j in range(3):
+        assert log[-1][f"eval_count_{j}"] == direct["step_count"][j] > 0
+        assert log[-1][f"eval_acc_{j}"] == pytest.approx(float(direct["step_acc"][j]), abs=1e-6)
+        assert log[-1][f"eval_loss_{j}"] == pytest.approx(float(direct["step_loss"][j]), rel=1e-5)
+        assert log[-1][f"eval_coverage_{j}"] == pytest.approx(direct["step_count"][j] / direct["step_total"][j])
+    assert log[-1]["eval_loss"] == pytest.approx(direct["loss"], rel=1e-5)
+    assert log[-1]["eval_loss"] < log[0]["eval_loss"]  # it learns the target, not only its 38 training rows
+    assert (Path(trained.out) / "training.png").stat().st_size > 10_000
+
+
 # -- (b) kill and resume --------------------------------------------------------------------------------
 
 
 def test_a_killed_run_resumes_to_the_same_parameters(target, online_data, tmp_path):
-    straight = base_config(online_data, tmp_path / "straight", target)
+    straight = base_config(online_data, tmp_path / "straight", target, eval_rows=HELD_OUT, eval_every=2)
     train_eagle3(straight, stop_after=6, progress=False)
 
     killed = dataclasses.replace(straight, out=str(tmp_path / "killed"))
@@ -134,6 +161,10 @@ def test_a_killed_run_resumes_to_the_same_parameters(target, online_data, tmp_pa
     assert [r["step"] for r in read_train_log(straight.out)] == [3, 6]
     np.testing.assert_array_equal([r["loss"] for r in read_train_log(killed.out)],
                                   [r["loss"] for r in read_train_log(straight.out)])
+    # The held-out evaluations after the checkpoint (step 4) are dropped and made again, as the same numbers.
+    evals = [read_eval_log(run.out) for run in (killed, straight)]
+    assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [2, 4, 6]
+    assert evals[0] == evals[1]
 
 
 # -- (c) export -----------------------------------------------------------------------------------------
@@ -275,6 +306,8 @@ def test_bad_input_is_one_line(target, online_data, trained, rows, tmp_path):
     one_line_error(*run(*base, "--aux-layers", "1,x,3")[::2], "aux_layer_ids")
     one_line_error(*run(*base, "--offline")[::2], "'hidden'", "--dump-features")
     one_line_error(*run(*base, "--resume")[::2], "no checkpoint")
+    one_line_error(*run(*base, "--eval-rows", "48")[::2], "--eval-rows 48: the dataset has 48 rows")
+    one_line_error(*run(*base, "--eval-every", "0")[::2], "--eval-every must be >= 1")
 
     wrong = write_dataset(tmp_path / "wrong", rows[:4], target, fingerprint="0123456789abcdef")
     one_line_error(*run("train", "eagle3", "--target", target, "--data", wrong, "--out", tmp_path / "o")[::2],
