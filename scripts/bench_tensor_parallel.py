@@ -7,8 +7,8 @@ device over torch.distributed (NCCL on GPUs, gloo on the CPU), random weights at
     torchrun --nproc-per-node 2 scripts/bench_tensor_parallel.py --tiny --out tiny.json   # CPU smoke test
 
 Each run reports the plain decode step (the fused cycle with k = 0: one CUDA-graph replay and a host sync,
-median over cycles), the bytes one device reads per step (its weight slices plus the whole LM head and the
-replicated tensors, plus the KV cache it holds) and the device's measured copy bandwidth, so roofline =
+median over cycles), the bytes one device reads per step (its weight slices, the LM head's included, and
+the replicated tensors, plus the KV cache it holds) and the device's measured copy bandwidth, so roofline =
 bytes / bandwidth per device. `--compare` prints the step time against one device, the fraction of the
 devices' combined roofline, and whether greedy tokens are identical to the single device's.
 """

@@ -4,7 +4,6 @@ import dataclasses
 import types
 
 import pytest
-import torch
 
 from specdec.drafters.model import ModelDrafter
 from specdec.errors import SpecdecError

@@ -320,6 +320,7 @@ class Eagle3Drafter(StatefulDrafter):
         else:
             from specdec.drafters.eagle3_torch import TorchEagle3
 
-            embed = verifier.model.embed_tokens.weight
-            device = TorchEagle3(head, embed, verifier.batch, verifier.max_seq_len, k, sampling, embed.dtype)
+            model = verifier.model
+            device = TorchEagle3(head, model.token_embeddings, verifier.device, verifier.batch, verifier.max_seq_len, k,
+                                 sampling, model.dtype)
         super().__init__(device, verifier, k, head.cfg.vocab_size, "eagle3")

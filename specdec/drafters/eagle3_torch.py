@@ -77,16 +77,16 @@ class TorchEagle3:
     runs the head over those rows (writing their keys/values; the last real row's output is the first
     draft), then chains k-1 single-row steps on its own outputs."""
 
-    def __init__(self, head, embed_table: torch.Tensor, batch: int, max_seq_len: int, k: int,
-                 sampling=None, dtype=torch.float32):
+    def __init__(self, head, embed, device, batch: int, max_seq_len: int, k: int, sampling=None,
+                 dtype=torch.float32):
+        """`embed`: tokens -> the target's token embeddings, unscaled (GemmaModel.token_embeddings)."""
         from specdec.drafters.eagle3 import draft_to_target
         from specdec.sampling import SamplingParams
 
-        device = embed_table.device
         self.cfg, self.k, self.batch = head.cfg, k, batch
         self.sampling = sampling or SamplingParams()
         self.params = {n: torch.tensor(np.asarray(a), dtype=dtype, device=device) for n, a in head.params.items()}
-        self.embed_table = embed_table
+        self.embed = embed
         self.draft_ids = torch.as_tensor(draft_to_target(head.d2t), device=device)
         self.inv_freq = rope_inv_freq(head.cfg, device)
         slots = max_seq_len + 2 * (k + 1)
@@ -104,7 +104,7 @@ class TorchEagle3:
         return [self.feats, self.tokens, self.count, self.start]
 
     def _step(self, tokens, hidden, positions, rows=slice(None)):
-        embeds = self.embed_table[tokens].to(hidden.dtype)
+        embeds = self.embed(tokens).to(hidden.dtype)
         return step(self.params, self.cfg, self.inv_freq, embeds, hidden, positions, self.cache_k[rows], self.cache_v[rows])
 
     @torch.inference_mode()

@@ -37,15 +37,30 @@ ROW_PARALLEL = ("o_proj.weight", "mlp.down_proj.weight")
 EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
+def vocab_rows(cfg: "GemmaConfig", name: str) -> int | None:
+    """The vocabulary a token table indexes: the embedding (and the LM head: its rows are the logits), the
+    per-layer input embedding; None for other tensors."""
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return cfg.vocab_size
+    if name == "embed_tokens_per_layer.weight":
+        return cfg.vocab_size_per_layer_input
+    return None
+
+
 def tp_split_axis(cfg: "GemmaConfig", name: str, tp: int) -> int | None:
     """The dimension of checkpoint tensor `name` that tensor parallelism over `tp` devices splits: heads and
     MLP columns by output row (0); o_proj and down_proj by input column (1), so each device's partial output
-    is summed across devices; MoE experts by expert (0) when they divide; None (whole on every device) for
-    the rest: embeddings, norms, the LM head, per-layer inputs, the router."""
+    is summed across devices; token tables (embeddings, the LM head) by vocabulary row (0) when the
+    vocabulary divides, so each device reads its share of the LM head's bytes per step (lookups are summed
+    across devices, logits gathered); MoE experts by expert (0) when they divide; None (whole on every
+    device) for the rest: norms, the per-layer input projection, the router."""
     if name.endswith(COLUMN_PARALLEL):
         return 0
     if name.endswith(ROW_PARALLEL):
         return 1
+    vocab = vocab_rows(cfg, name)
+    if vocab is not None:
+        return 0 if vocab % tp == 0 else None
     if name.endswith(EXPERTS) and cfg.num_experts % tp == 0:
         return 0
     return None

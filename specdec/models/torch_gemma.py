@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.errors import SpecdecError
-from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, rope_inv_freq
+from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, rope_inv_freq, tp_split_axis, vocab_rows
 
 # Experts are gathered per token while that reads fewer weights than running every expert densely.
 def _gather_experts(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -93,6 +93,27 @@ def sum_across(x: torch.Tensor, group) -> torch.Tensor:
     from torch.distributed import _functional_collectives as collectives
 
     return collectives.all_reduce(x, "sum", group)
+
+
+def gather_across(x: torch.Tensor, group) -> torch.Tensor:
+    """The devices' slices of the last dimension of `x`, concatenated in rank order (the logits of a
+    vocabulary-split LM head). A functional collective, as sum_across."""
+    from torch.distributed import _functional_collectives as collectives
+
+    gather = getattr(collectives, "all_gather_single", None) or collectives.all_gather_tensor  # renamed in torch 2.13
+    return gather(x.contiguous(), x.dim() - 1, group)
+
+
+def lookup(table: torch.Tensor, tokens: torch.Tensor, first_row: int | None, group) -> torch.Tensor:
+    """The rows of a token table for `tokens` [...] -> [..., D]. A table split by vocabulary over a
+    tensor-parallel group holds rows first_row.. of the whole: each device gives zeros for the tokens it does
+    not hold, and the sum across devices is every token's row, exactly, on every device."""
+    if first_row is None:
+        return F.embedding(tokens, table)
+    local = tokens - first_row
+    held = (local >= 0) & (local < table.shape[0])
+    rows = F.embedding(local.clamp(0, table.shape[0] - 1), table)
+    return sum_across(torch.where(held[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device)), group)
 
 
 class MLP(nn.Module):
@@ -342,6 +363,18 @@ class DecoderLayer(nn.Module):
         return x
 
 
+def _first_row(cfg: GemmaConfig, name: str, tp_group) -> int | None:
+    """The first vocabulary row of this device's share of token table `name`; None when it is whole (no
+    tensor parallelism, a vocabulary the devices do not divide, or no such table)."""
+    vocab = vocab_rows(cfg, name)
+    if tp_group is None or not vocab:
+        return None
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(tp_group)
+    return dist.get_rank(tp_group) * (vocab // tp) if tp_split_axis(cfg, name, tp) == 0 else None
+
+
 def _embedding(num: int, dim: int) -> nn.Embedding:
     """An embedding left uninitialised (the checkpoint's weights replace it): on the meta device, where
     from_checkpoint builds the model, nn.Embedding's own normal_ init would import torch's Python meta
@@ -354,21 +387,25 @@ class GemmaModel(nn.Module):
 
     def __init__(self, cfg: GemmaConfig, max_seq_len: int = 4096, tp_group=None):
         """`tp_group`: a torch.distributed group over which the model runs tensor-parallel; `cfg` is then this
-        device's share (GemmaConfig.shard) and the outputs of o_proj and down_proj are summed across it."""
+        device's share (GemmaConfig.shard): the outputs of o_proj and down_proj are summed across it, and the
+        token tables it splits by vocabulary (config.tp_split_axis) are looked up across it, the LM head's
+        logits gathered from it."""
         super().__init__()
         if tp_group is not None and cfg.enable_moe_block:
             raise SpecdecError("tensor parallelism in the torch engine does not split MoE experts yet (the JAX engine does)")
         self.cfg = cfg
         self.tp_group = tp_group
         h = cfg.hidden_size
-        self.embed_tokens = _embedding(cfg.vocab_size, h)
+        # The first vocabulary row of this device's share of each token table (None: the table is whole).
+        self.first_row = {name: _first_row(cfg, name, tp_group) for name in ("embed_tokens.weight", "embed_tokens_per_layer.weight")}
+        self.embed_tokens = _embedding(self._rows("embed_tokens.weight"), h)
         self.layers = nn.ModuleList([DecoderLayer(cfg, spec, tp_group) for spec in cfg.layers])
         self.norm = RMSNorm(h, cfg)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+        if not cfg.tie_word_embeddings:  # split as the embedding is: the same vocabulary
+            self.lm_head = nn.Linear(h, self._rows("embed_tokens.weight"), bias=False)
         if cfg.has_per_layer_inputs:
             ple = cfg.num_layers * cfg.hidden_size_per_layer_input
-            self.embed_tokens_per_layer = _embedding(cfg.vocab_size_per_layer_input, ple)
+            self.embed_tokens_per_layer = _embedding(self._rows("embed_tokens_per_layer.weight"), ple)
             self.per_layer_model_projection = nn.Linear(h, ple, bias=False)
             self.per_layer_projection_norm = RMSNorm(cfg.hidden_size_per_layer_input, cfg)
         self.max_seq_len = max_seq_len
@@ -447,14 +484,30 @@ class GemmaModel(nn.Module):
         so no host-to-device copy happens inside a captured graph."""
         return float(torch.tensor(value, dtype=self.dtype))
 
+    def _rows(self, name: str) -> int:
+        """Rows of this device's share of a token table."""
+        vocab = vocab_rows(self.cfg, name)
+        if self.first_row[name] is None:
+            return vocab
+        import torch.distributed as dist
+
+        return vocab // dist.get_world_size(self.tp_group)
+
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding table's rows of `tokens`, unscaled, whole on every device (EAGLE-3 heads embed with
+        them)."""
+        return lookup(self.embed_tokens.weight, tokens, self.first_row["embed_tokens.weight"], self.tp_group)
+
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(tokens) * self._scale(self.cfg.hidden_size**0.5)
+        return self.token_embeddings(tokens) * self._scale(self.cfg.hidden_size**0.5)
 
     def _per_layer_inputs(self, tokens: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         B, T = tokens.shape
         p = cfg.hidden_size_per_layer_input
-        token_part = (self.embed_tokens_per_layer(tokens) * self._scale(p**0.5)).view(B, T, cfg.num_layers, p)
+        table = lookup(self.embed_tokens_per_layer.weight, tokens, self.first_row["embed_tokens_per_layer.weight"],
+                       self.tp_group)
+        token_part = (table * self._scale(p**0.5)).view(B, T, cfg.num_layers, p)
         context = self.per_layer_model_projection(embeds) * (cfg.hidden_size**-0.5)
         context = self.per_layer_projection_norm(context.view(B, T, cfg.num_layers, p))
         return (context + token_part) * (2.0**-0.5)
@@ -530,7 +583,10 @@ class GemmaModel(nn.Module):
         hidden = torch.stack([taps[i] for i in hidden_layers], dim=2) if hidden_layers else None
         x = self.norm(x[:, -1:] if last_only else x)
         head = self.lm_head.weight if not cfg.tie_word_embeddings else self.embed_tokens.weight
-        logits = F.linear(x, head).float()
+        logits = F.linear(x, head)
+        if self.first_row["embed_tokens.weight"] is not None:  # this device's share of the vocabulary
+            logits = gather_across(logits, self.tp_group)
+        logits = logits.float()
         if cfg.final_logit_softcapping is not None:
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

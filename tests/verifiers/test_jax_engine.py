@@ -196,6 +196,8 @@ TP_SCRIPT = textwrap.dedent(
         q_shard=list(sharded.params["layers.0.self_attn.q_proj.weight"].addressable_shards[0].data.shape),
         o_shard=list(sharded.params["layers.0.self_attn.o_proj.weight"].addressable_shards[0].data.shape),
         kv_shard=list(sharded.cache["keys"][2].addressable_shards[0].data.shape),
+        head_shard=list(sharded.params["lm_head.weight"].addressable_shards[0].data.shape),
+        embed_shard=list(sharded.params["embed_tokens.weight"].addressable_shards[0].data.shape),
     )
     program = sharded._verify_fn.lower(sharded.params, sharded.cache, jnp.zeros((1, 5), jnp.int32), sharded.lengths)
     program = program.compile().as_text()
@@ -221,5 +223,7 @@ def test_tensor_parallel_on_four_host_devices_matches_one_device():
     assert result["q_shard"] == [8 * 16 // 4, 64]  # heads split
     assert result["o_shard"] == [64, 8 * 16 // 4]  # rows of the reduction split
     assert result["kv_shard"] == [1, 1, 256, 32]  # the global layer's 4 KV heads, one per device
-    assert result["collectives"] == {"all-reduce": 2 * 4, "all-gather": 0}  # after o_proj and down_proj
+    assert result["head_shard"] == result["embed_shard"] == [512 // 4, 64]  # split by vocabulary
+    # After o_proj and down_proj of each layer, and the embedding lookup's; nothing gathers a table.
+    assert result["collectives"] == {"all-reduce": 2 * 4 + 1, "all-gather": 0}
     assert result["error"] == "a tensor-parallel mesh of 4 devices does not divide 2 KV heads of layer 0 (+2 more)"

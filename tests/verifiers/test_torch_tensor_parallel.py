@@ -1,6 +1,7 @@
 """Tensor parallelism in the torch engine: two processes over torch.distributed (gloo on the CPU; NCCL on
-GPUs), each holding its slices of the split weights, decode exactly what one process decodes, plain and
-speculative, and configurations that do not split are refused in one line."""
+GPUs), each holding its slices of the split weights (token tables by vocabulary), decode exactly what one
+process decodes, plain and speculative (an EAGLE-3 head drafting the same tokens), and configurations that
+do not split are refused in one line."""
 
 import json
 import os
@@ -44,10 +45,31 @@ WORKER = textwrap.dedent("""
             self.done += len(emitted[0])
 
     speculative = run_cycles(HostCycle(engine, Oracle(), 4, SamplingParams()), [prompt], 4, StopCondition(48))
+
+    # An EAGLE-3 head embeds its drafts with the target's (vocabulary-split) embedding table.
+    from specdec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, random_head
+    from specdec.models.config import GemmaConfig
+
+    head = random_head(Eagle3Config.for_target(GemmaConfig.from_file(f"{ckpt}/config.json"), draft_vocab_size=256), seed=1)
+    tapped = TorchEngine(model, max_seq_len=256, k_max=4, hidden_layers=head.cfg.taps)
+    drafts = []
+
+    class Recorded(Eagle3Drafter):
+        def propose(self, k):
+            draft = super().propose(k)
+            drafts.append(draft.tokens.tolist())
+            return draft
+
+    eagle = run_cycles(HostCycle(tapped, Recorded(head, tapped, 4, SamplingParams()), 4, SamplingParams()), [prompt], 4,
+                       StopCondition(48))
     if rank == 0:
+        shape = lambda name: list(dict(model.named_parameters())[name].shape) if name in dict(model.named_parameters()) else None
         print(json.dumps({"plain": plain, "speculative": speculative.tokens[0], "tau": speculative.stats.tau,
+                          "eagle3": eagle.tokens[0], "eagle3_drafts": drafts,
                           "q_rows": model.layers[0].self_attn.q_proj.weight.shape[0],
-                          "down_cols": model.layers[0].mlp.down_proj.weight.shape[1]}))
+                          "down_cols": model.layers[0].mlp.down_proj.weight.shape[1],
+                          "tables": {name: shape(name) for name in ("embed_tokens.weight", "lm_head.weight",
+                                                                    "embed_tokens_per_layer.weight")}}))
     dist.destroy_process_group()
 """)
 
@@ -85,6 +107,13 @@ def test_two_devices_decode_what_one_decodes(random_checkpoints, k_eq_v_checkpoi
     assert two["speculative"] == one["speculative"] == one["plain"]
     assert two["tau"] == one["tau"] > 1.0
     assert (two["q_rows"], two["down_cols"]) == (one["q_rows"] // 2, one["down_cols"] // 2)
+    # Token tables split by vocabulary: each device holds half the rows of each (the LM head's included).
+    assert one["tables"]["embed_tokens.weight"] is not None
+    for name, whole in one["tables"].items():
+        assert two["tables"][name] == (whole and [whole[0] // 2, whole[1]]), name
+    assert variant != "gemma4_e" or one["tables"]["embed_tokens_per_layer.weight"] is not None
+    assert two["eagle3"] == one["eagle3"] == one["plain"]
+    assert two["eagle3_drafts"] == one["eagle3_drafts"] and len(one["eagle3_drafts"]) > 5
 
 
 def test_configurations_that_do_not_split_are_refused(random_checkpoints):
