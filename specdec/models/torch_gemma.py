@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.errors import SpecdecError
 from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, rope_inv_freq, tp_split_axis, vocab_rows
 
 # Experts are gathered per token while that reads fewer weights than running every expert densely.
@@ -293,28 +292,44 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: GemmaConfig):
+    def __init__(self, cfg: GemmaConfig, tp_group=None):
+        """`tp_group`: split by expert over the group when the experts divide (config.tp_split_axis): each
+        device runs the chosen experts it holds, and the devices' outputs are summed."""
         super().__init__()
         e, mi, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.num_experts, self.tp_group, self.first_expert = e, tp_group, None
+        if tp_group is not None:
+            import torch.distributed as dist
+
+            tp = dist.get_world_size(tp_group)
+            if tp_split_axis(cfg, "experts.down_proj", tp) == 0:
+                e //= tp
+                self.first_expert = dist.get_rank(tp_group) * e
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * mi, h))
         self.down_proj = nn.Parameter(torch.zeros(e, h, mi))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """x [N, H], weights/index [N, k] -> [N, H]; static shapes either way (graph-capturable)."""
+        """x [N, H], weights/index [N, k] (the router's, over every expert) -> [N, H]; static shapes either
+        way (graph-capturable). The path depends on the whole model's expert count, so each device of a
+        split computes its experts as one device would."""
         n, k = index.shape
-        num_experts = self.gate_up_proj.shape[0]
-        if _gather_experts(n, k, num_experts):
+        held = self.gate_up_proj.shape[0]
+        if self.first_expert is not None:  # the chosen experts another device holds weigh 0 here
+            index = index - self.first_expert
+            weights = torch.where((index >= 0) & (index < held), weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+            index = index.clamp(0, held - 1)
+        if _gather_experts(n, k, self.num_experts):
             gate, up = torch.einsum("nh,nkih->nki", x, self.gate_up_proj[index]).chunk(2, dim=-1)
             out = torch.einsum("nki,nkhi->nkh", F.gelu(gate, approximate="tanh") * up, self.down_proj[index])
-            return (out * weights[..., None].to(out.dtype)).sum(dim=1)
-        # Every expert over every token, weighted by its routing weight (0 where not chosen).
-        dense_weights = torch.zeros(n, num_experts, dtype=weights.dtype, device=x.device).scatter(1, index, weights)
-        out = torch.zeros_like(x)
-        for e in range(num_experts):
-            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
-            out = out + y * dense_weights[:, e : e + 1].to(y.dtype)
-        return out
+            out = (out * weights[..., None].to(out.dtype)).sum(dim=1)
+        else:  # every expert held over every token, weighted by its routing weight (0 where not chosen)
+            dense_weights = torch.zeros(n, held, dtype=weights.dtype, device=x.device).scatter_add(1, index, weights)
+            out = torch.zeros_like(x)
+            for e in range(held):
+                gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
+                out = out + y * dense_weights[:, e : e + 1].to(y.dtype)
+        return out if self.first_expert is None else sum_across(out, self.tp_group)
 
 
 class DecoderLayer(nn.Module):
@@ -339,7 +354,7 @@ class DecoderLayer(nn.Module):
         self.moe = cfg.enable_moe_block
         if self.moe:
             self.router = Router(cfg)
-            self.experts = Experts(cfg)
+            self.experts = Experts(cfg, tp_group)
             self.post_feedforward_layernorm_1 = RMSNorm(h, cfg)
             self.post_feedforward_layernorm_2 = RMSNorm(h, cfg)
             self.pre_feedforward_layernorm_2 = RMSNorm(h, cfg)
@@ -391,8 +406,6 @@ class GemmaModel(nn.Module):
         token tables it splits by vocabulary (config.tp_split_axis) are looked up across it, the LM head's
         logits gathered from it."""
         super().__init__()
-        if tp_group is not None and cfg.enable_moe_block:
-            raise SpecdecError("tensor parallelism in the torch engine does not split MoE experts yet (the JAX engine does)")
         self.cfg = cfg
         self.tp_group = tp_group
         h = cfg.hidden_size

@@ -31,6 +31,8 @@ WORKER = textwrap.dedent("""
     model = GemmaModel.from_checkpoint(ckpt, max_seq_len=256, tp_group=dist.group.WORLD if world > 1 else None)
     engine = TorchEngine(model, max_seq_len=256, k_max=4)
     plain = engine.greedy_decode(prompt, 48)
+    # One-row forwards: an MoE layer gathers the chosen experts' weights instead of running each expert.
+    one_row = TorchEngine(model, max_seq_len=256, k_max=4, invariant=False).greedy_decode(prompt, 16)
 
     class Oracle:  # proposes the plain continuation, every 5th token wrong: acceptances and corrections
         def begin(self, prompts):
@@ -64,10 +66,11 @@ WORKER = textwrap.dedent("""
                        StopCondition(48))
     if rank == 0:
         shape = lambda name: list(dict(model.named_parameters())[name].shape) if name in dict(model.named_parameters()) else None
-        print(json.dumps({"plain": plain, "speculative": speculative.tokens[0], "tau": speculative.stats.tau,
+        print(json.dumps({"plain": plain, "one_row": one_row, "speculative": speculative.tokens[0], "tau": speculative.stats.tau,
                           "eagle3": eagle.tokens[0], "eagle3_drafts": drafts,
                           "q_rows": model.layers[0].self_attn.q_proj.weight.shape[0],
                           "down_cols": model.layers[0].mlp.down_proj.weight.shape[1],
+                          "experts": shape("layers.0.experts.down_proj"),
                           "tables": {name: shape(name) for name in ("embed_tokens.weight", "lm_head.weight",
                                                                     "embed_tokens_per_layer.weight")}}))
     dist.destroy_process_group()
@@ -98,12 +101,22 @@ def k_eq_v_checkpoint(tmp_path_factory):
     return write_random_checkpoint("gemma4_dense", tmp_path_factory.mktemp("tp") / "dense", num_global_key_value_heads=2)
 
 
-@pytest.mark.parametrize("variant", ["gemma4_e", "k_eq_v"])
-def test_two_devices_decode_what_one_decodes(random_checkpoints, k_eq_v_checkpoint, variant):
-    ckpt = k_eq_v_checkpoint if variant == "k_eq_v" else random_checkpoints[variant]
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """26B-A4B-shaped (MoE beside the dense MLP, 4 experts) with 2 global KV heads."""
+    from specdec.models.random_init import write_random_checkpoint
+
+    return write_random_checkpoint("gemma4_moe", tmp_path_factory.mktemp("tp") / "moe", seed=1,  # seed 0 repeats one token
+                                   num_global_key_value_heads=2)
+
+
+@pytest.mark.parametrize("variant", ["gemma4_e", "k_eq_v", "moe"])
+def test_two_devices_decode_what_one_decodes(random_checkpoints, k_eq_v_checkpoint, moe_checkpoint, variant):
+    ckpt = {"k_eq_v": k_eq_v_checkpoint, "moe": moe_checkpoint}.get(variant) or random_checkpoints[variant]
     one, two = decode(ckpt, 1), decode(ckpt, 2)
     assert len(set(one["plain"])) > 10  # not a degenerate repetition
     assert two["plain"] == one["plain"]
+    assert two["one_row"] == one["one_row"]
     assert two["speculative"] == one["speculative"] == one["plain"]
     assert two["tau"] == one["tau"] > 1.0
     assert (two["q_rows"], two["down_cols"]) == (one["q_rows"] // 2, one["down_cols"] // 2)
@@ -114,17 +127,14 @@ def test_two_devices_decode_what_one_decodes(random_checkpoints, k_eq_v_checkpoi
     assert variant != "gemma4_e" or one["tables"]["embed_tokens_per_layer.weight"] is not None
     assert two["eagle3"] == one["eagle3"] == one["plain"]
     assert two["eagle3_drafts"] == one["eagle3_drafts"] and len(one["eagle3_drafts"]) > 5
+    if variant == "moe":  # experts split by expert
+        assert two["experts"] == [one["experts"][0] // 2, *one["experts"][1:]]
 
 
 def test_configurations_that_do_not_split_are_refused(random_checkpoints):
-    from specdec.models.torch_gemma import GemmaModel
-
     dense = GemmaConfig.from_file(random_checkpoints["gemma4_dense"] / "config.json")
     with pytest.raises(SpecdecError, match=r"^a tensor-parallel mesh of 2 devices does not divide 1 KV heads of layer 2 \(\+1 more\)$"):
         dense.shard(2)
-    moe = GemmaConfig.from_file(random_checkpoints["gemma4_moe"] / "config.json")
-    with pytest.raises(SpecdecError, match="does not split MoE experts"):
-        GemmaModel(moe, 64, tp_group=object())
 
 
 def generate(ckpt, tmp_path, *extra, launcher=(), env=None):
