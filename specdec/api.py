@@ -282,10 +282,6 @@ class DrafterSource:
         if self.kind == "mtp":
             from specdec.drafters.mtp import MtpDrafter
 
-            if getattr(getattr(verifier, "model", None), "tp_group", None) is not None:
-                raise SpecdecError(f"{self.path}: the MTP assistant does not run beside a tensor-parallel torch "
-                                   "target yet (its queries would need the target's split KV heads)")
-
             return MtpDrafter(self.assistant, verifier, k, sampling)
         from specdec.drafters.model import ModelDrafter, check_same_tokenizer, drafter_engine, load_source
 

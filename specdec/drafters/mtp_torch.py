@@ -1,7 +1,11 @@
 """The Gemma 4 MTP assistant in PyTorch, for drafting (semantics in specdec.drafters.mtp; the same math as
 mtp_jax, checked against it and against transformers in tests): functions over a dict of tensors under the
 stripped checkpoint names, reading the target engine's live KV cache. CUDA-graph capturable: static shapes,
-in-place updates of preallocated buffers, no host synchronisation."""
+in-place updates of preallocated buffers, no host synchronisation.
+
+Beside a tensor-parallel target each device holds the query heads that read its KV heads and its share of
+the MLP columns (config.tp_split_axis, as the target's layers), and sums o_proj's and down_proj's outputs
+across the target's group."""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ import torch.nn.functional as F
 
 from specdec.drafters.mtp import AssistantConfig, mtp_taps, target_kv_layers
 from specdec.errors import SpecdecError
-from specdec.models.config import SLIDING
-from specdec.models.torch_gemma import KVCache, apply_rope, gelu_mlp, rms_norm, rope_tables
+from specdec.models.config import SLIDING, tp_split_axis, vocab_rows
+from specdec.models.torch_gemma import KVCache, apply_rope, gelu_mlp, rms_norm, rope_tables, sum_across
 
 MASKED = torch.finfo(torch.float32).min  # not -inf: a row with nothing to attend to (no hidden yet) stays finite
 
@@ -38,28 +42,29 @@ def visible(stored: torch.Tensor, position: torch.Tensor, window: int | None) ->
     return mask
 
 
-def _attention(params: dict, cfg: AssistantConfig, index: int, x, cos, sin, keys, values, mask):
+def _attention(params: dict, cfg: AssistantConfig, index: int, x, cos, sin, keys, values, mask, tp_group=None):
     """x [B, H] -> the layer's attention output [B, H]: queries at the row's position over the target's keys."""
     text, spec = cfg.text, cfg.text.layers[index]
     p = f"layers.{index}.self_attn."
     B, hd, nkv = x.shape[0], spec.head_dim, keys.shape[1]
-    q = F.linear(x, params[p + "q_proj.weight"]).view(B, text.num_heads, hd)
+    heads = params[p + "q_proj.weight"].shape[0] // hd  # this device's, beside a tensor-parallel target
+    q = F.linear(x, params[p + "q_proj.weight"]).view(B, heads, hd)
     q = apply_rope(rms_norm(q, params[p + "q_norm.weight"], text), cos[:, None], sin[:, None])
-    q = q.view(B, nkv, text.num_heads // nkv, hd)  # query head h uses KV head h // groups
+    q = q.view(B, nkv, heads // nkv, hd)  # query head h uses KV head h // groups
     scores = torch.einsum("bkgd,bksd->bkgs", q, keys).float()  # Gemma 4 attention scale: 1
     scores = scores.masked_fill(~mask[:, None, None], MASKED)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.einsum("bkgs,bksd->bkgd", probs, values).reshape(B, text.num_heads * hd)
-    return F.linear(out, params[p + "o_proj.weight"])
+    out = torch.einsum("bkgs,bksd->bkgd", probs, values).reshape(B, heads * hd)
+    return sum_across(F.linear(out, params[p + "o_proj.weight"]), tp_group)
 
 
-def _layer(params: dict, cfg: AssistantConfig, index: int, x, cos, sin, keys, values, mask):
+def _layer(params: dict, cfg: AssistantConfig, index: int, x, cos, sin, keys, values, mask, tp_group=None):
     p = f"layers.{index}."
     norm = lambda name, v: rms_norm(v, params[p + name + ".weight"], cfg.text)  # noqa: E731
     x = x + norm("post_attention_layernorm", _attention(params, cfg, index, norm("input_layernorm", x), cos, sin,
-                                                        keys, values, mask))
+                                                        keys, values, mask, tp_group))
     mlp = gelu_mlp(norm("pre_feedforward_layernorm", x), *(params[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
-    x = x + norm("post_feedforward_layernorm", mlp)
+    x = x + norm("post_feedforward_layernorm", sum_across(mlp, tp_group))
     return x * params[p + "layer_scalar"]
 
 
@@ -79,13 +84,14 @@ def head_logits(params: dict, cfg: AssistantConfig, normed: torch.Tensor) -> tor
     return fill.expand(-1, cfg.text.vocab_size).scatter(-1, tokens, selected)
 
 
-def step(params: dict, cfg: AssistantConfig, embeds, hidden, rope: dict, kv: dict):
+def step(params: dict, cfg: AssistantConfig, embeds, hidden, rope: dict, kv: dict, tp_group=None):
     """One draft step of every row: the target's scaled token embeddings and h [B, H_target], the queries'
-    RoPE rows per kind (cos, sin [B, hd]), the target's (keys, values, mask) per kind. -> (float32 logits [B, V],
+    RoPE rows per kind (cos, sin [B, hd]), the target's (keys, values, mask) per kind; `tp_group`: the
+    tensor-parallel target's, `params` then this device's slices (module docstring). -> (float32 logits [B, V],
     the next step's h [B, H_target])."""
     x = F.linear(torch.cat([embeds, hidden], dim=-1), params["pre_projection.weight"])
     for spec in cfg.text.layers:
-        x = _layer(params, cfg, spec.index, x, *rope[spec.kind], *kv[spec.kind])
+        x = _layer(params, cfg, spec.index, x, *rope[spec.kind], *kv[spec.kind], tp_group)
     normed = rms_norm(x, params["norm.weight"], cfg.text)
     return head_logits(params, cfg, normed), F.linear(normed, params["post_projection.weight"])
 
@@ -107,7 +113,10 @@ class TorchMtp:
         self.cfg, self.engine, self.k, self.batch = assistant.cfg, engine, k, engine.batch
         self.sampling = sampling or SamplingParams()
         device, dtype = engine.device, engine.model.dtype
-        self.params = {n: torch.tensor(np.asarray(a), dtype=dtype, device=device) for n, a in assistant.params.items()}
+        self.tp_group = engine.model.tp_group
+        split = _device_slice(self.cfg, self.tp_group)
+        self.params = {n: torch.tensor(np.asarray(a[split(n, a.shape)]), dtype=dtype, device=device)
+                       for n, a in assistant.params.items()}
         if assistant.token_ordering is not None:
             ordering = assistant.token_ordering.reshape(self.cfg.num_centroids, -1)
             self.params["token_ordering"] = torch.tensor(ordering, dtype=torch.long, device=device)
@@ -156,7 +165,7 @@ class TorchMtp:
         rope = {kind: (cos[at].to(dtype), sin[at].to(dtype)) for kind, (cos, sin) in self.rope.items()}
         hidden, token = model.norm(self.hidden), self.token
         for _ in range(self.k):
-            logits, hidden = step(self.params, self.cfg, model._embed(token), hidden, rope, kv)
+            logits, hidden = step(self.params, self.cfg, model._embed(token), hidden, rope, kv, self.tp_group)
             if self.generator is None:
                 token, q = logits.argmax(dim=-1), None
             else:
@@ -182,3 +191,26 @@ class TorchMtp:
         self.token.copy_(torch.where(advanced, emitted[rows, last], self.token))
         self.position.copy_(torch.where(advanced, start + count, self.position))
         self.ready.logical_or_(advanced)
+
+
+def _device_slice(cfg: AssistantConfig, tp_group):
+    """-> (name, shape) -> the index of this device's slice of an assistant tensor beside a target split over
+    `tp_group` (everything without a group): its layers' heads and MLP columns split as the target's are
+    (config.tp_split_axis), so a device's query heads are those of its KV heads; its own token table stays
+    whole (the centroid-masked head gathers rows of it by token)."""
+    if tp_group is None:
+        return lambda name, shape: (...,)
+    import torch.distributed as dist
+
+    from specdec.models.checkpoint import shard_index
+    from specdec.models.config import check_tensor_parallel
+
+    shard = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    check_tensor_parallel(cfg.text, shard[1])
+
+    def split(name, shape):
+        if vocab_rows(cfg.text, name) is not None or tp_split_axis(cfg.text, name, shard[1]) is None:
+            return (...,)
+        return shard_index(cfg.text, name, shape, shard)
+
+    return split

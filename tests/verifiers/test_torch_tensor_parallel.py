@@ -1,7 +1,7 @@
 """Tensor parallelism in the torch engine: two processes over torch.distributed (gloo on the CPU; NCCL on
 GPUs), each holding its slices of the split weights (token tables by vocabulary), decode exactly what one
-process decodes, plain and speculative (an EAGLE-3 head drafting the same tokens), and configurations that
-do not split are refused in one line."""
+process decodes, plain and speculative (an EAGLE-3 head and a Gemma 4 MTP assistant drafting the same
+tokens), and configurations that do not split are refused in one line."""
 
 import json
 import os
@@ -18,7 +18,7 @@ from specdec.models.config import GemmaConfig
 WORKER = textwrap.dedent("""
     import json, sys
     import torch.distributed as dist
-    rank, world, port, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    rank, world, port, ckpt, assistant = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     import numpy as np
     from specdec.generate import HostCycle, StopCondition, run_cycles
@@ -64,10 +64,26 @@ WORKER = textwrap.dedent("""
 
     eagle = run_cycles(HostCycle(tapped, Recorded(head, tapped, 4, SamplingParams()), 4, SamplingParams()), [prompt], 4,
                        StopCondition(48))
+    # A Gemma 4 MTP assistant reads the target's (split) KV cache with its query heads of those KV heads.
+    mtp = mtp_drafts = None
+    if assistant != "none":
+        from specdec.drafters.mtp import MtpDrafter, load_assistant, mtp_taps
+
+        mtp_engine = TorchEngine(model, max_seq_len=256, k_max=4, hidden_layers=mtp_taps(model.cfg))
+        mtp_drafts = []
+
+        class RecordedMtp(MtpDrafter):
+            def propose(self, k):
+                draft = super().propose(k)
+                mtp_drafts.append(draft.tokens.tolist())
+                return draft
+
+        drafter = RecordedMtp(load_assistant(assistant), mtp_engine, 4, SamplingParams())
+        mtp = run_cycles(HostCycle(mtp_engine, drafter, 4, SamplingParams()), [prompt], 4, StopCondition(48)).tokens[0]
     if rank == 0:
         shape = lambda name: list(dict(model.named_parameters())[name].shape) if name in dict(model.named_parameters()) else None
         print(json.dumps({"plain": plain, "one_row": one_row, "speculative": speculative.tokens[0], "tau": speculative.stats.tau,
-                          "eagle3": eagle.tokens[0], "eagle3_drafts": drafts,
+                          "eagle3": eagle.tokens[0], "eagle3_drafts": drafts, "mtp": mtp, "mtp_drafts": mtp_drafts,
                           "q_rows": model.layers[0].self_attn.q_proj.weight.shape[0],
                           "down_cols": model.layers[0].mlp.down_proj.weight.shape[1],
                           "experts": shape("layers.0.experts.down_proj"),
@@ -83,9 +99,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def decode(ckpt, world: int) -> dict:
+def decode(ckpt, world: int, assistant=None) -> dict:
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(world), port, str(ckpt)],
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(world), port, str(ckpt), str(assistant or "none")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs):
@@ -111,9 +127,14 @@ def moe_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", ["gemma4_e", "k_eq_v", "moe"])
-def test_two_devices_decode_what_one_decodes(random_checkpoints, k_eq_v_checkpoint, moe_checkpoint, variant):
+def test_two_devices_decode_what_one_decodes(random_checkpoints, k_eq_v_checkpoint, moe_checkpoint, variant, tmp_path):
     ckpt = {"k_eq_v": k_eq_v_checkpoint, "moe": moe_checkpoint}.get(variant) or random_checkpoints[variant]
-    one, two = decode(ckpt, 1), decode(ckpt, 2)
+    assistant = None
+    if variant == "gemma4_e":
+        from specdec.models.random_init import write_random_assistant
+
+        assistant = write_random_assistant(variant, tmp_path / "assistant", seed=3, ordered_embeddings=True)
+    one, two = decode(ckpt, 1, assistant), decode(ckpt, 2, assistant)
     assert len(set(one["plain"])) > 10  # not a degenerate repetition
     assert two["plain"] == one["plain"]
     assert two["one_row"] == one["one_row"]
@@ -127,6 +148,9 @@ def test_two_devices_decode_what_one_decodes(random_checkpoints, k_eq_v_checkpoi
     assert variant != "gemma4_e" or one["tables"]["embed_tokens_per_layer.weight"] is not None
     assert two["eagle3"] == one["eagle3"] == one["plain"]
     assert two["eagle3_drafts"] == one["eagle3_drafts"] and len(one["eagle3_drafts"]) > 5
+    if assistant is not None:
+        assert two["mtp"] == one["mtp"] == one["plain"]
+        assert two["mtp_drafts"] == one["mtp_drafts"] and len(one["mtp_drafts"]) > 5
     if variant == "moe":  # experts split by expert
         assert two["experts"] == [one["experts"][0] // 2, *one["experts"][1:]]
 
