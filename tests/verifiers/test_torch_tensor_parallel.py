@@ -48,42 +48,35 @@ WORKER = textwrap.dedent("""
 
     speculative = run_cycles(HostCycle(engine, Oracle(), 4, SamplingParams()), [prompt], 4, StopCondition(48))
 
+    def drafted_run(drafter, verifier):  # -> (emitted tokens, each cycle's drafts)
+        drafts, propose = [], drafter.propose
+
+        def recorded(k):
+            draft = propose(k)
+            drafts.append(draft.tokens.tolist())
+            return draft
+
+        drafter.propose = recorded
+        return run_cycles(HostCycle(verifier, drafter, 4, SamplingParams()), [prompt], 4, StopCondition(48)).tokens[0], drafts
+
     # An EAGLE-3 head embeds its drafts with the target's (vocabulary-split) embedding table.
     from specdec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, random_head
     from specdec.models.config import GemmaConfig
 
     head = random_head(Eagle3Config.for_target(GemmaConfig.from_file(f"{ckpt}/config.json"), draft_vocab_size=256), seed=1)
     tapped = TorchEngine(model, max_seq_len=256, k_max=4, hidden_layers=head.cfg.taps)
-    drafts = []
-
-    class Recorded(Eagle3Drafter):
-        def propose(self, k):
-            draft = super().propose(k)
-            drafts.append(draft.tokens.tolist())
-            return draft
-
-    eagle = run_cycles(HostCycle(tapped, Recorded(head, tapped, 4, SamplingParams()), 4, SamplingParams()), [prompt], 4,
-                       StopCondition(48))
+    eagle, drafts = drafted_run(Eagle3Drafter(head, tapped, 4, SamplingParams()), tapped)
     # A Gemma 4 MTP assistant reads the target's (split) KV cache with its query heads of those KV heads.
     mtp = mtp_drafts = None
     if assistant != "none":
         from specdec.drafters.mtp import MtpDrafter, load_assistant, mtp_taps
 
         mtp_engine = TorchEngine(model, max_seq_len=256, k_max=4, hidden_layers=mtp_taps(model.cfg))
-        mtp_drafts = []
-
-        class RecordedMtp(MtpDrafter):
-            def propose(self, k):
-                draft = super().propose(k)
-                mtp_drafts.append(draft.tokens.tolist())
-                return draft
-
-        drafter = RecordedMtp(load_assistant(assistant), mtp_engine, 4, SamplingParams())
-        mtp = run_cycles(HostCycle(mtp_engine, drafter, 4, SamplingParams()), [prompt], 4, StopCondition(48)).tokens[0]
+        mtp, mtp_drafts = drafted_run(MtpDrafter(load_assistant(assistant), mtp_engine, 4, SamplingParams()), mtp_engine)
     if rank == 0:
         shape = lambda name: list(dict(model.named_parameters())[name].shape) if name in dict(model.named_parameters()) else None
         print(json.dumps({"plain": plain, "one_row": one_row, "speculative": speculative.tokens[0], "tau": speculative.stats.tau,
-                          "eagle3": eagle.tokens[0], "eagle3_drafts": drafts, "mtp": mtp, "mtp_drafts": mtp_drafts,
+                          "eagle3": eagle, "eagle3_drafts": drafts, "mtp": mtp, "mtp_drafts": mtp_drafts,
                           "q_rows": model.layers[0].self_attn.q_proj.weight.shape[0],
                           "down_cols": model.layers[0].mlp.down_proj.weight.shape[1],
                           "experts": shape("layers.0.experts.down_proj"),
