@@ -120,6 +120,10 @@ def distill(target: Target | str | Path | None, rows: Iterable[Row], out: str | 
     if not prompts:
         first = f" (first: {skipped[0].source}: {skipped[0].reason})" if skipped else ""
         raise SpecdecError(f"no usable prompts: {len(skipped)} rows skipped{first}")
+    # The engine prefills a batch one forward per run of rows of equal prompt length (it never pads a row), and
+    # prompts cut back to a line boundary rarely match their neighbours: in length order a batch of 256 takes a
+    # few prefill forwards instead of about one a row, which was 2/3 of distillation's time on an H200.
+    prompts.sort(key=lambda p: len(p.ids))
     target = loaded or load(path, engine=settings.engine, batch=settings.batch, k_max=settings.k,
                             max_seq_len=settings.max_seq_len)
     capture = FeatureCapture(target, hidden_layers, settings.max_seq_len) if settings.dump_features else None

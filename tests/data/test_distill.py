@@ -39,12 +39,13 @@ def test_distill_writes_the_targets_greedy_responses(ckpt, tmp_path):
 
     # The reference: the prompts read again, decoded plainly (no drafter) on the same engine.
     prompts, _ = collect_prompts(jsonl_rows(tmp_path / "rows.jsonl"), target.tokenizer, prompt_tokens=24)
+    prompts.sort(key=lambda p: len(p.ids))  # answered shortest first: a batch's rows share prompt lengths
     plain = specdec.api.make_cycle(target, "none", 0, SamplingParams())
     ids = [p.ids for p in prompts] + [prompts[0].ids]  # three prompts, a batch of two
     stop = StopCondition(8, target.tokenizer.eos_ids)
     expected = run_cycles(plain, ids[:2], 0, stop).tokens + run_cycles(plain, ids[2:], 0, stop).tokens[:1]
 
-    assert ds.num_rows == 3 and ds["source"] == [f"{tmp_path}/rows.jsonl:{n}" for n in (1, 2, 4)]
+    assert ds.num_rows == 3 and ds["source"] == [f"{tmp_path}/rows.jsonl:{n}" for n in (2, 4, 1)]
     for row, prompt, response in zip(ds, prompts, expected):
         assert row["input_ids"] == prompt.ids + response
         assert row["loss_mask"] == [0] * len(prompt.ids) + [1] * len(response)
@@ -76,6 +77,17 @@ def test_distill_writes_the_targets_greedy_responses(ckpt, tmp_path):
         assert row["hidden"].shape == (tokens.shape[1], 3, 64)
         np.testing.assert_allclose(row["hidden"], ref[:, :3], rtol=2e-3, atol=2e-3)
         np.testing.assert_allclose(row["last_hidden"], ref[:, 3], rtol=2e-3, atol=2e-3)
+
+
+def test_a_batch_prefills_once_per_prompt_length(ckpt, tmp_path, monkeypatch):
+    """Prompts of alternating lengths: in length order a batch of four prefills in two forwards, not four."""
+    target = specdec.api.load(ckpt, batch=4, k_max=2, max_seq_len=128)
+    prefills = []
+    prefill_rows = target.engine._prefill_rows
+    monkeypatch.setattr(target.engine, "_prefill_rows", lambda first, ps: prefills.append(len(ps)) or prefill_rows(first, ps))
+    rows = [(f"row {i}", {"prompt": "import os\n" if i % 2 else "The weather today in the hills"}) for i in range(4)]
+    distill(target, rows, tmp_path / "out", DistillSettings(max_new_tokens=2, k=2))
+    assert prefills == [2, 2]
 
 
 def test_sampled_distillation_is_seeded_and_out_dirs_are_guarded(ckpt, tmp_path):
