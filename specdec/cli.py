@@ -1,9 +1,10 @@
-"""`specdec`: generate, validate, import-gguf, inspect."""
+"""`specdec`: the command line (generate, validate, bench, serve, corpus, distill, train, export, import-gguf, inspect)."""
 
 from __future__ import annotations
 
 import functools
 import io
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -397,6 +398,7 @@ def distill_cmd(
     """Self-distilled EAGLE-3 training data: the target answers each prompt (lossless n-gram speculative
     decoding), written as a datasets dataset with a manifest (sources, target hash, settings, skips)."""
     from specdec.data import distill as data
+    from specdec.data.corpus import manifest_path
     from specdec.data.sources import dataset_rows, jsonl_rows
 
     given = [flag for flag, value in (("--corpus", corpus), ("--prompts", prompts), ("--dataset", dataset)) if value]
@@ -421,12 +423,48 @@ def distill_cmd(
         rows, source = ((row["source"], row) for row in built.rows), built.describe()
     elif prompts is not None:
         rows, source = jsonl_rows(prompts), {"kind": "jsonl", "path": str(prompts.resolve())}
+        if manifest_path(prompts).is_file():  # a corpus `specdec corpus` wrote: keep what it was built from
+            source["corpus"] = json.loads(manifest_path(prompts).read_text())
     else:
         rows, source = dataset_rows(dataset, split), {"kind": "dataset", "name": dataset, "split": split}
     manifest = data.distill(target, rows, out, settings, source, num_prompts, overwrite)
     c = manifest["counts"]
     err.print(f"wrote {c['rows']} rows ({c['tokens']:,} tokens, {c['response_tokens']:,} by the target) to {out}; "
               f"{c['skipped']} rows skipped (manifest.json says why)", highlight=False, soft_wrap=True)
+
+
+@app.command("corpus")
+@user_errors
+def corpus_cmd(
+    out: Path = typer.Option(..., help="JSONL to write, one {text, source} row a line (for distill --prompts); its description goes beside it as NAME.manifest.json"),
+    source: list[str] = typer.Option([], "--source", help="a directory of text to add: DIR (code and prose), DIR:code or DIR:prose; repeatable"),
+    builtin: bool = typer.Option(True, help="include this machine's Python sources and /usr/share/doc"),
+    mb: float = typer.Option(16.0, help="MB of text to read, shared equally between the sources"),
+    seed: int = typer.Option(0, help="file and row shuffle seed"),
+    overwrite: bool = typer.Option(False, help="replace --out if it exists"),
+):
+    """Build a prompt corpus from text on this machine (built-in sources and directories you add, e.g. unpacked
+    Debian or npm packages) with the benchmark prompts left out, to distill from here or on another machine."""
+    from rich.table import Table
+
+    from specdec.data.corpus import build_corpus, default_sources, parse_source, write_corpus
+
+    if mb <= 0:
+        raise SpecdecError(f"--mb must be > 0, got {mb}")
+    if out.exists() and not overwrite:
+        raise SpecdecError(f"{out}: already exists (pass --overwrite to replace it)")
+    sources = (default_sources() if builtin else []) + [parse_source(s) for s in source]
+    if not sources:
+        raise SpecdecError("no sources: pass --source DIR, or leave --builtin on")
+    built = build_corpus(sources, max_bytes=int(mb * 2**20), seed=seed)
+    write_corpus(built, out)
+    table = Table("source", "kind", "files", "MB", "rows")
+    for s in built.sources:
+        table.add_row(s["name"], s["kind"], f"{s['files']:,}", f"{s['chars'] / 2**20:.1f}", f"{s['chunks']:,}")
+    err.print(table)
+    left_out = ", ".join(f"{n:,} {why.replace('_', ' ')}" for why, n in built.excluded.items() if n)
+    err.print(f"wrote {len(built.rows):,} rows to {out}" + (f" (left out: {left_out})" if left_out else ""),
+              highlight=False, soft_wrap=True)
 
 
 train_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train draft heads.")

@@ -1,11 +1,15 @@
-"""A built-in prompt corpus from text already on the machine: nothing is downloaded.
+"""A prompt corpus from text already on the machine: nothing is downloaded.
 
 Self-distillation needs prompts, not answers (the target writes those), so any text of the right kind will
-do. Three sources, whatever of them exists here:
-  stdlib          code   the Python standard library's .py files (`sysconfig.get_paths()["stdlib"]`)
-  site-packages   code   the .py files of the installed packages (`sysconfig.get_paths()["purelib"]`)
+do. The built-in sources, whatever of them exists here:
+  stdlib          code   the Python standard library's source files (`sysconfig.get_paths()["stdlib"]`)
+  site-packages   code   the source files of the installed packages (`sysconfig.get_paths()["purelib"]`)
   debian-doc      prose  /usr/share/doc: READMEs, NEWS, changelogs, .txt/.md/.rst/.html (gzipped or not;
                          HTML stripped to text; licence files left out)
+Any directory can be added as a source of code, prose or both (`parse_source`), e.g. Debian documentation
+packages or npm packages unpacked there: a head drafts well only on the kind of text it was trained on.
+Code is source files by suffix (CODE_SUFFIXES); minified or generated files (average line over
+MAX_MEAN_LINE characters) are left out.
 
 Deterministic: files are listed sorted, read in a seeded shuffle until each source has its equal share of
 the size limit, cut into chunks at line boundaries, deduplicated, then all chunks shuffled with the seed.
@@ -28,18 +32,25 @@ from html.parser import HTMLParser
 from importlib import resources
 from pathlib import Path
 
+from specdec.errors import SpecdecError
+
 BENCHMARK_PATH = re.compile(r"human[-_ ]?eval|mbpp|(?<![a-z])mt[-_ ]?bench|gsm[-_ ]?8k", re.IGNORECASE)
 OVERLAP_WORDS = 13
 MAX_FILE_CHARS = 32_768  # the start of a long file: one changelog must not fill a source's share
 MIN_CHUNK_CHARS = 200  # shorter chunks (an empty __init__.py, a one-line NEWS) make no useful prompt
+MAX_MEAN_LINE = 300  # characters: longer lines on average mean minified or generated code, not prompts
+CODE_SUFFIXES = (".py", ".pyi", ".js", ".mjs", ".cjs", ".jsx", ".ts", ".tsx", ".sql", ".sh", ".c", ".h", ".cc",
+                 ".cpp", ".hpp", ".go", ".rs", ".java", ".kt", ".rb", ".php", ".lua", ".swift", ".cs")
 PROSE_SUFFIXES = (".txt", ".md", ".rst", ".html", ".htm")
 PROSE_NAMES = ("readme", "news", "changelog", "changes", "faq", "todo")
+KINDS = ("code", "prose", "any")
 SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}  # the stdlib directory holds site-packages
 
 
 @dataclass(frozen=True)
 class CorpusSource:
-    """One directory tree of text: `kind` "code" takes its .py files, "prose" its documentation files."""
+    """One directory tree of text: `kind` "code" takes its source files, "prose" its documentation files, "any"
+    both."""
 
     name: str
     kind: str
@@ -54,10 +65,24 @@ class CorpusSource:
         return sorted(p for p in found if p.is_file())
 
     def _wanted(self, name: str) -> bool:
-        if self.kind == "code":
-            return name.endswith(".py")
-        lower = name.lower()
-        return lower.endswith(PROSE_SUFFIXES) or lower.startswith(PROSE_NAMES)
+        code = is_code(name)
+        prose = not code and (name.lower().endswith(PROSE_SUFFIXES) or name.lower().startswith(PROSE_NAMES))
+        return {"code": code, "prose": prose, "any": code or prose}[self.kind]
+
+
+def is_code(name: str) -> bool:
+    """A source file by its name (gzip suffix removed); minified JS and type declarations are not prompts."""
+    lower = name.lower()
+    return lower.endswith(CODE_SUFFIXES) and not lower.endswith((".min.js", ".d.ts"))
+
+
+def parse_source(spec: str) -> CorpusSource:
+    """"DIR" (code and prose) or "DIR:code" / "DIR:prose" -> the source, named by its path."""
+    root, _, kind = spec.rpartition(":") if spec.endswith(tuple(f":{k}" for k in KINDS)) else (spec, "", "any")
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        raise SpecdecError(f"--source {spec!r}: {path} is not a directory")
+    return CorpusSource(str(path), kind, path)
 
 
 def default_sources() -> list[CorpusSource]:
@@ -81,7 +106,7 @@ class Corpus:
     excluded: dict[str, int] = field(default_factory=dict)
 
     def describe(self) -> dict:
-        return {"kind": "builtin", "sources": self.sources, "excluded": self.excluded, "rows": len(self.rows)}
+        return {"kind": "corpus", "sources": self.sources, "excluded": self.excluded, "rows": len(self.rows)}
 
 
 def build_corpus(sources: list[CorpusSource] | None = None, max_bytes: int = 16 << 20, seed: int = 0,
@@ -91,7 +116,7 @@ def build_corpus(sources: list[CorpusSource] | None = None, max_bytes: int = 16 
     share = max_bytes // max(len(sources), 1)
     guard = BenchmarkGuard.packaged()
     seen: set[str] = set()
-    excluded = {"benchmark_path": 0, "benchmark_text": 0, "duplicate": 0}
+    excluded = {"benchmark_path": 0, "benchmark_text": 0, "duplicate": 0, "minified": 0}
     rows, described = [], []
     for source in sources:
         files = source.files()
@@ -107,6 +132,9 @@ def build_corpus(sources: list[CorpusSource] | None = None, max_bytes: int = 16 
             text = read_text(path)
             if not text:
                 continue
+            if is_code(path.name) and len(text) > MAX_MEAN_LINE * (text.count("\n") + 1):
+                excluded["minified"] += 1
+                continue
             used["files"] += 1
             used["chars"] += len(text)
             for i, chunk in enumerate(chunk_text(text, chunk_chars)):
@@ -117,11 +145,27 @@ def build_corpus(sources: list[CorpusSource] | None = None, max_bytes: int = 16 
                     excluded["benchmark_text"] += 1
                 else:
                     seen.add(key)
-                    rows.append({"text": chunk, "source": f"builtin:{source.name}:{relative}#{i}"})
+                    rows.append({"text": chunk, "source": f"corpus:{source.name}:{relative}#{i}"})
                     used["chunks"] += 1
         described.append(used)
     random.Random(seed).shuffle(rows)
     return Corpus(rows, described, excluded)
+
+
+def manifest_path(rows_path: Path) -> Path:
+    """Where a written corpus's description lies: corpus.jsonl -> corpus.manifest.json."""
+    return rows_path.with_name(rows_path.stem + ".manifest.json")
+
+
+def write_corpus(corpus: Corpus, out: Path) -> None:
+    """The rows as JSONL ({"text", "source"} a line, what `distill --prompts` reads) and the description beside
+    them; each file is written whole under a temporary name first, so a killed run leaves no partial corpus."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in corpus.rows)
+    for path, text in ((out, lines), (manifest_path(out), json.dumps(corpus.describe(), indent=1) + "\n")):
+        partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
 
 
 def read_text(path: Path) -> str | None:

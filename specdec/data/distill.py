@@ -10,7 +10,7 @@ neighbouring directory first and then renamed into place, with `manifest.json` b
   input_ids    list<int32>                   prompt + response token ids
   loss_mask    list<int8>                    0 over the prompt, 1 over the response; same length
   source       string                        where the prompt came from ("chats.jsonl:12",
-                                             "builtin:stdlib:json/decoder.py#0")
+                                             "corpus:stdlib:json/decoder.py#0")
 and with `dump_features` (offline training, no target needed then):
   hidden       Array3D((None, A, H), float16)  per position, the target's states after the engine layers
                                              `engine_taps(aux_layer_ids)`: the inputs of the A aux layers

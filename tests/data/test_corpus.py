@@ -1,9 +1,14 @@
-"""The built-in corpus: deterministic, deduplicated, HTML and gzip read as text, and no benchmark in it."""
+"""The prompt corpus: deterministic, deduplicated, HTML and gzip read as text, no benchmark in it; added
+directories of code and prose; `specdec corpus` writes it for `distill --prompts`."""
 
 import gzip
 import json
 from importlib import resources
 
+import pytest
+from typer.testing import CliRunner
+
+from specdec.cli import app
 from specdec.data.corpus import (
     BENCHMARK_PATH,
     MIN_CHUNK_CHARS,
@@ -11,7 +16,10 @@ from specdec.data.corpus import (
     CorpusSource,
     build_corpus,
     default_sources,
+    parse_source,
 )
+from specdec.data.sources import jsonl_rows
+from specdec.errors import SpecdecError
 
 BENCH = [json.loads(line)["prompt"] for line in
          (resources.files("specdec") / "prompts" / "bench.jsonl").read_text().splitlines() if line.strip()]
@@ -93,3 +101,51 @@ def test_default_sources_build_deterministically():
     assert first.rows == build_corpus(sources, max_bytes=300_000, seed=0).rows
     assert all(s["chunks"] > 0 for s in first.sources)
     assert {r["source"].split(":")[1] for r in first.rows} == {s.name for s in sources}
+
+
+def test_added_sources_take_code_and_prose_by_suffix(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "lib").mkdir(parents=True)
+    js = "".join(f"export function handler{i}(req, res) {{\n  return res.status({i}).json({{ ok: true }});\n}}\n\n"
+                 for i in range(20))
+    (pkg / "lib" / "routes.js").write_text(js)
+    (pkg / "lib" / "routes.min.js").write_text(js.replace("\n", ""))  # by its name
+    (pkg / "lib" / "bundle.js").write_text(js.replace("\n", " ") + "\n")  # by its line lengths
+    (pkg / "lib" / "types.d.ts").write_text("export declare const x: number;\n" * 40)
+    (pkg / "README.md").write_text("This package routes requests to handlers, one per status code.\n" * 20)
+    kinds = {}
+    for kind in ("any", "code", "prose"):
+        corpus = build_corpus([parse_source(f"{pkg}:{kind}" if kind != "any" else str(pkg))], chunk_chars=512)
+        kinds[kind] = {r["source"].split(":", 2)[2].split("#")[0] for r in corpus.rows}
+        assert corpus.excluded["minified"] == (kind != "prose")
+    assert kinds == {"any": {"lib/routes.js", "README.md"}, "code": {"lib/routes.js"}, "prose": {"README.md"}}
+
+
+def test_parse_source(tmp_path):
+    assert parse_source(str(tmp_path)) == CorpusSource(str(tmp_path), "any", tmp_path)
+    assert parse_source(f"{tmp_path}:prose").kind == "prose" and parse_source(f"{tmp_path}:code").root == tmp_path
+    with pytest.raises(SpecdecError, match="is not a directory"):
+        parse_source(f"{tmp_path}/missing:code")
+
+
+def test_cli_writes_a_corpus_that_distill_reads(tmp_path):
+    sources = fake_sources(tmp_path)
+    out = tmp_path / "corpus.jsonl"
+    args = ["corpus", "--no-builtin", "--source", f"{sources[0].root}:code", "--source", f"{sources[1].root}:prose",
+            "--mb", "1", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    rows = list(jsonl_rows(out))
+    assert rows == [(f"{out}:{n}", r) for n, r in enumerate(build_corpus(
+        [parse_source(a) for a in args[3:6:2]], max_bytes=1 << 20).rows, 1)]
+    manifest = json.loads((tmp_path / "corpus.manifest.json").read_text())
+    assert manifest["rows"] == len(rows) and [s["kind"] for s in manifest["sources"]] == ["code", "prose"]
+    assert f"wrote {len(rows):,} rows" in result.stderr
+
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 1 and "already exists" in again.stderr
+    for bad, needle in ((["--source", f"{tmp_path}/nowhere"], "is not a directory"),
+                        ([], "no sources"), (["--source", str(tmp_path), "--mb", "0"], "--mb must be > 0")):
+        result = CliRunner().invoke(app, ["corpus", "--no-builtin", *bad, "--out", str(tmp_path / "x.jsonl")])
+        assert result.exit_code == 1 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x.jsonl").exists()

@@ -148,6 +148,8 @@ def cli(*args):
 
 def test_cli_distills_a_jsonl_file(ckpt, tmp_path):
     rows = write_rows(tmp_path / "rows.jsonl")
+    corpus = {"kind": "corpus", "sources": [], "excluded": {}, "rows": 4}  # as `specdec corpus` leaves beside it
+    (tmp_path / "rows.manifest.json").write_text(json.dumps(corpus))
     code, err = cli("--target", ckpt, "--prompts", rows, "--out", tmp_path / "out", "--max-new-tokens", 4,
                     "--batch", 2, "--max-seq-len", 128, "--num-prompts", 2)
     assert code == 0, err
@@ -155,7 +157,7 @@ def test_cli_distills_a_jsonl_file(ckpt, tmp_path):
     ds = datasets.load_from_disk(str(tmp_path / "out"))
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert ds.num_rows == 2 and all(sum(m) == 4 for m in ds["loss_mask"])
-    assert manifest["source"] == {"kind": "jsonl", "path": str(rows)}
+    assert manifest["source"] == {"kind": "jsonl", "path": str(rows), "corpus": corpus}
     assert manifest["settings"]["max_new_tokens"] == 4 and manifest["settings"]["prompt_tokens"] == 128
     # 128 tokens of CODE leave no room in a context of 128; the empty text is no prompt.
     assert ["context" in s["reason"] for s in manifest["skipped"]] == [True, False]
