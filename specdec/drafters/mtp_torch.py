@@ -200,12 +200,11 @@ def _device_slice(cfg: AssistantConfig, tp_group):
     whole (the centroid-masked head gathers rows of it by token)."""
     if tp_group is None:
         return lambda name, shape: (...,)
-    import torch.distributed as dist
-
     from specdec.models.checkpoint import shard_index
     from specdec.models.config import check_tensor_parallel
+    from specdec.models.torch_gemma import group_shard
 
-    shard = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    shard = group_shard(tp_group)
     check_tensor_parallel(cfg.text, shard[1])
 
     def split(name, shape):

@@ -298,13 +298,10 @@ class Experts(nn.Module):
         super().__init__()
         e, mi, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.num_experts, self.tp_group, self.first_expert = e, tp_group, None
-        if tp_group is not None:
-            import torch.distributed as dist
-
-            tp = dist.get_world_size(tp_group)
-            if tp_split_axis(cfg, "experts.down_proj", tp) == 0:
-                e //= tp
-                self.first_expert = dist.get_rank(tp_group) * e
+        shard = group_shard(tp_group)
+        if shard is not None and tp_split_axis(cfg, "experts.down_proj", shard[1]) == 0:
+            e //= shard[1]
+            self.first_expert = shard[0] * e
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * mi, h))
         self.down_proj = nn.Parameter(torch.zeros(e, h, mi))
 
@@ -378,16 +375,24 @@ class DecoderLayer(nn.Module):
         return x
 
 
-def _first_row(cfg: GemmaConfig, name: str, tp_group) -> int | None:
-    """The first vocabulary row of this device's share of token table `name`; None when it is whole (no
-    tensor parallelism, a vocabulary the devices do not divide, or no such table)."""
-    vocab = vocab_rows(cfg, name)
-    if tp_group is None or not vocab:
+def group_shard(tp_group) -> tuple[int, int] | None:
+    """(this device's rank, the group's size) of a tensor-parallel group, as checkpoint.shard_index takes it;
+    None without a group."""
+    if tp_group is None:
         return None
     import torch.distributed as dist
 
-    tp = dist.get_world_size(tp_group)
-    return dist.get_rank(tp_group) * (vocab // tp) if tp_split_axis(cfg, name, tp) == 0 else None
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def _vocab_share(cfg: GemmaConfig, name: str, shard: tuple[int, int] | None) -> slice | None:
+    """This device's rows of token table `name`; None when it is whole (no tensor parallelism, a vocabulary
+    the devices do not divide, or no such table)."""
+    from specdec.models.checkpoint import shard_index
+
+    vocab = vocab_rows(cfg, name)
+    index = shard_index(cfg, name, (vocab,), shard) if vocab else (...,)
+    return None if index == (...,) else index[0]
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
@@ -409,8 +414,9 @@ class GemmaModel(nn.Module):
         self.cfg = cfg
         self.tp_group = tp_group
         h = cfg.hidden_size
-        # The first vocabulary row of this device's share of each token table (None: the table is whole).
-        self.first_row = {name: _first_row(cfg, name, tp_group) for name in ("embed_tokens.weight", "embed_tokens_per_layer.weight")}
+        # This device's rows of each token table (None: the table is whole).
+        self.vocab_share = {name: _vocab_share(cfg, name, group_shard(tp_group))
+                            for name in ("embed_tokens.weight", "embed_tokens_per_layer.weight")}
         self.embed_tokens = _embedding(self._rows("embed_tokens.weight"), h)
         self.layers = nn.ModuleList([DecoderLayer(cfg, spec, tp_group) for spec in cfg.layers])
         self.norm = RMSNorm(h, cfg)
@@ -437,11 +443,7 @@ class GemmaModel(nn.Module):
         only its slices of the split weights)."""
         from specdec.models.checkpoint import load_checkpoint
 
-        shard = None
-        if tp_group is not None:
-            import torch.distributed as dist
-
-            shard = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+        shard = group_shard(tp_group)
         cfg, tensors = load_checkpoint(path, framework="pt", dtype=dtype, device=device, shard=shard)
         if shard is not None:
             cfg = cfg.shard(shard[1])
@@ -460,12 +462,8 @@ class GemmaModel(nn.Module):
         keeps its slices) hold slices of one model."""
         from specdec.models.checkpoint import expected_shapes, shard_index
 
-        shard, local = None, cfg
-        if tp_group is not None:
-            import torch.distributed as dist
-
-            shard = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
-            local = cfg.shard(shard[1])
+        shard = group_shard(tp_group)
+        local = cfg if shard is None else cfg.shard(shard[1])
         with torch.device("meta"):
             model = cls(local, max_seq_len, tp_group)
         model = model.to(dtype).to_empty(device=device)  # cast on the meta device: nothing allocated in fp32
@@ -499,17 +497,17 @@ class GemmaModel(nn.Module):
 
     def _rows(self, name: str) -> int:
         """Rows of this device's share of a token table."""
-        vocab = vocab_rows(self.cfg, name)
-        if self.first_row[name] is None:
-            return vocab
-        import torch.distributed as dist
+        share = self.vocab_share[name]
+        return vocab_rows(self.cfg, name) if share is None else share.stop - share.start
 
-        return vocab // dist.get_world_size(self.tp_group)
+    def _first_row(self, name: str) -> int | None:
+        share = self.vocab_share[name]
+        return None if share is None else share.start
 
     def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embedding table's rows of `tokens`, unscaled, whole on every device (EAGLE-3 heads embed with
         them)."""
-        return lookup(self.embed_tokens.weight, tokens, self.first_row["embed_tokens.weight"], self.tp_group)
+        return lookup(self.embed_tokens.weight, tokens, self._first_row("embed_tokens.weight"), self.tp_group)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.token_embeddings(tokens) * self._scale(self.cfg.hidden_size**0.5)
@@ -518,7 +516,7 @@ class GemmaModel(nn.Module):
         cfg = self.cfg
         B, T = tokens.shape
         p = cfg.hidden_size_per_layer_input
-        table = lookup(self.embed_tokens_per_layer.weight, tokens, self.first_row["embed_tokens_per_layer.weight"],
+        table = lookup(self.embed_tokens_per_layer.weight, tokens, self._first_row("embed_tokens_per_layer.weight"),
                        self.tp_group)
         token_part = (table * self._scale(p**0.5)).view(B, T, cfg.num_layers, p)
         context = self.per_layer_model_projection(embeds) * (cfg.hidden_size**-0.5)
@@ -597,7 +595,7 @@ class GemmaModel(nn.Module):
         x = self.norm(x[:, -1:] if last_only else x)
         head = self.lm_head.weight if not cfg.tie_word_embeddings else self.embed_tokens.weight
         logits = F.linear(x, head)
-        if self.first_row["embed_tokens.weight"] is not None:  # this device's share of the vocabulary
+        if self.vocab_share["embed_tokens.weight"] is not None:  # this device's share of the vocabulary
             logits = gather_across(logits, self.tp_group)
         logits = logits.float()
         if cfg.final_logit_softcapping is not None:
