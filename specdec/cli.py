@@ -524,6 +524,40 @@ def train_eagle3_cmd(
     err.print(f"step {result.step}/{cfg.steps}{stats} · {where}", highlight=False, soft_wrap=True)
 
 
+@train_app.command("eagle3-eval")
+@user_errors
+def eagle3_eval_cmd(
+    head: Path = typer.Option(..., help="an EAGLE-3 head directory (specdec's or the vLLM/SGLang layout)"),
+    data: Path = typer.Option(..., help="distilled data (specdec distill) to evaluate on: every row"),
+    target: Optional[Path] = typer.Option(None, help=TARGET_HELP + " (the one the data was distilled from)"),
+    batch_size: int = typer.Option(32, help="sequences per forward"),
+    seq_len: int = typer.Option(384, help="tokens per sequence (truncated / padded)"),
+    ttt_steps: int = typer.Option(7, help="draft steps evaluated (TTT steps)"),
+    out: Optional[Path] = typer.Option(None, help="also write the metrics as JSON, with device, date and commit"),
+):
+    """Teacher-forced accuracy of an EAGLE-3 head at each draft step over distilled data, as training's held-out
+    evaluation computes it; e.g. on the target's answers to the prompts the head is benchmarked on."""
+    from rich.table import Table
+
+    from specdec.evidence import git_commit, now_utc
+    from specdec.training.trainer import evaluate_head
+
+    metrics = evaluate_head(head, data, target, batch_size, seq_len, ttt_steps)
+    table = Table("draft step", "accuracy", "loss", "in draft vocab", "tokens")
+    for j in range(ttt_steps):
+        table.add_row(str(j), f"{metrics[f'eval_acc_{j}']:.3f}", f"{metrics[f'eval_loss_{j}']:.3f}",
+                      f"{metrics[f'eval_coverage_{j}']:.3f}", f"{metrics[f'eval_count_{j}']:,}")
+    err.print(table)
+    if out is not None:
+        import jax
+
+        record = {"head": str(head.resolve()), "data": str(data.resolve()), "device": jax.devices()[0].device_kind,
+                  "date": now_utc(), "commit": git_commit(), "batch_size": batch_size, "seq_len": seq_len,
+                  "metrics": metrics}
+        out.write_text(json.dumps(record, indent=1) + "\n")
+        err.print(f"wrote {out}", highlight=False, soft_wrap=True)
+
+
 @app.command("export")
 @user_errors
 def export_cmd(

@@ -187,7 +187,11 @@ class TrainData:
 
     def eval_batches(self, global_batch: int) -> list[np.ndarray]:
         """The held-out rows in batches of `global_batch`, the last one filled up with -1 (empty rows)."""
-        index = self.eval_index
+        return self.padded_batches(self.eval_index, global_batch)
+
+    @staticmethod
+    def padded_batches(index: np.ndarray, global_batch: int) -> list[np.ndarray]:
+        """Rows `index` in batches of `global_batch`, the last one filled up with -1 (empty rows)."""
         filled = np.full(-(-len(index) // global_batch) * global_batch, -1, np.int64)
         filled[: len(index)] = index
         return list(filled.reshape(-1, global_batch))

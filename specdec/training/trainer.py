@@ -256,6 +256,49 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
     return TrainResult(step, out, head, checkpoint, last_metrics, start, len(devices), last_eval)
 
 
+def evaluate_head(head_dir: str | Path, data_dir: str | Path, target: str | Path | None = None, batch_size: int = 32,
+                  seq_len: int = 384, ttt_steps: int = 7, dtype: str | None = None) -> dict:
+    """Teacher-forced metrics of an exported EAGLE-3 head over every row of a distilled dataset, computed as
+    training's held-out evaluation computes them (held_out_metrics' keys; the target's JAX forward gives the
+    features). The data may come from any prompts, e.g. the target's answers to the prompts a head is
+    benchmarked on: how well it predicts the text it drafts for, apart from how drafting turns that into
+    acceptance."""
+    import jax
+    import jax.numpy as jnp
+
+    from specdec import compile_cache
+    from specdec.api import resolve_checkpoint
+    from specdec.drafters.eagle3 import draft_to_target, load_for_target
+    from specdec.models import jax_gemma
+    from specdec.models.checkpoint import checkpoint_fingerprint
+    from specdec.models.config import GemmaConfig
+    from specdec.training import eagle3 as train
+    from specdec.training.data import TrainData
+
+    for name, value in (("batch size", batch_size), ("seq len", seq_len), ("ttt steps", ttt_steps)):
+        if value < 1:
+            raise SpecdecError(f"{name} must be >= 1, got {value}")
+    compile_cache.enable_jax()
+    target_path = resolve_checkpoint(target)
+    tcfg = GemmaConfig.from_file(target_path / "config.json")
+    fingerprint = checkpoint_fingerprint(target_path)
+    head = load_for_target(head_dir, tcfg, fingerprint)
+    data = TrainData(data_dir)
+    data.check_target(fingerprint, tcfg.vocab_size, tcfg.hidden_size)
+    dtype = dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")  # as training defaults them
+    _, tparams = jax_gemma.load_params(target_path, jnp.dtype(dtype))
+    settings = train.LossSettings(ttt_steps=ttt_steps, compute_dtype=dtype)
+    loss_fn = train.make_eval_loss(head.cfg, tcfg, settings, train.data_mesh(jax.local_devices()[:1]))
+    params = {k: jnp.asarray(v) for k, v in head.params.items()}
+    vocab = {"draft_ids": jnp.asarray(draft_to_target(head.d2t), jnp.int32), "t2d": jnp.asarray(head.t2d)}
+    per_batch = []
+    for rows in data.padded_batches(np.arange(data.num_rows), batch_size):
+        batch = {k: v for k, v in data.batch(rows, seq_len, tcfg.pad_token_id).items() if k != "valid"}
+        _, metrics = loss_fn(params, tparams, vocab, batch)
+        per_batch.append({k: np.asarray(v) for k, v in metrics.items()})
+    return held_out_metrics(per_batch, settings.step_weights)
+
+
 def held_out_metrics(per_batch: list[dict], step_weights) -> dict:
     """The loss metrics of the held-out batches combined as over one batch of all their rows: per TTT step j,
     eval_loss_j and eval_acc_j (as the training's loss_j and acc_j), eval_count_j, and eval_coverage_j (the

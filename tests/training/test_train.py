@@ -124,6 +124,38 @@ def test_held_out_rows_are_evaluated(trained, target, online_data):
     assert (Path(trained.out) / "training.png").stat().st_size > 10_000
 
 
+def test_eagle3_eval_scores_a_head_on_any_distilled_data(trained, target, online_data, tmp_path):
+    """`specdec train eagle3-eval` over a dataset of exactly the run's held-out rows gives the run's last
+    held-out evaluation; bad settings and a head for another target are one line."""
+    import datasets
+
+    held_out = tmp_path / "held_out"
+    rows = TrainData(online_data, eval_rows=HELD_OUT, seed=0).eval_index
+    datasets.load_from_disk(str(online_data)).select(rows).save_to_disk(str(held_out))
+    (held_out / "manifest.json").write_text((Path(online_data) / "manifest.json").read_text())
+    code, _, err = run("train", "eagle3-eval", "--head", trained.head, "--data", held_out, "--target", target,
+                       "--batch-size", 8, "--seq-len", 48, "--ttt-steps", 3, "--out", tmp_path / "eval.json")
+    assert code == 0, err
+    metrics = json.loads((tmp_path / "eval.json").read_text())["metrics"]
+    logged = read_eval_log(trained.out)[-1]
+    assert metrics.keys() == logged.keys() - {"step"}
+    for key, value in metrics.items():
+        assert value == pytest.approx(logged[key], rel=1e-5, abs=1e-6), key
+    assert f"{logged['eval_acc_0']:.3f}" in err
+
+    one_line_error(*run("train", "eagle3-eval", "--head", trained.head, "--data", held_out, "--target", target,
+                        "--ttt-steps", 0)[::2], "ttt steps must be >= 1")
+    other = tmp_path / "other_head"
+    other.mkdir()
+    config = json.loads((Path(trained.head) / "config.json").read_text())
+    config["specdec"]["target_fingerprint"] = "0" * 16
+    (other / "config.json").write_text(json.dumps(config))
+    for f in Path(trained.head).glob("*.safetensors"):
+        (other / f.name).write_bytes(f.read_bytes())
+    one_line_error(*run("train", "eagle3-eval", "--head", other, "--data", held_out, "--target", target)[::2],
+                   "head trained for target checkpoint 0000000000000000")
+
+
 # -- (b) kill and resume --------------------------------------------------------------------------------
 
 
