@@ -78,7 +78,8 @@ def load(
         raise SpecdecError(f"k_max must be >= 0, got {k_max}")
     path = resolve_checkpoint(target)
     start = time.perf_counter()
-    # The tokenizer parses in Rust without the GIL: read it while torch or jax imports and the weights load.
+    # The tokenizer loads beside the engine. Its parse holds the GIL (tokenizers 0.23, docs/benchmarks.md), so
+    # this overlaps only the engine's work that runs without it: file reads, transfers, CUDA start-up.
     with ThreadPoolExecutor(1) as pool:
         tokenizer_future = pool.submit(Tokenizer.from_dir, path)
         verifier, cfg = _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers,
