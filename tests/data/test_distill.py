@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import specdec.api
 from specdec.cli import app
-from specdec.data.distill import DistillSettings, distill, store_features
+from specdec.data.distill import DistillSettings, default_batch, distill, store_features
 from specdec.data.sources import collect_prompts, jsonl_rows
 from specdec.errors import SpecdecError
 from specdec.generate import StopCondition, run_cycles
@@ -88,6 +88,24 @@ def test_a_batch_prefills_once_per_prompt_length(ckpt, tmp_path, monkeypatch):
     rows = [(f"row {i}", {"prompt": "import os\n" if i % 2 else "The weather today in the hills"}) for i in range(4)]
     distill(target, rows, tmp_path / "out", DistillSettings(max_new_tokens=2, k=2))
     assert prefills == [2, 2]
+
+
+def test_default_batch_scales_to_the_device(ckpt):
+    """4 on a CPU; on an accelerator the largest power of two (at most 256) whose bf16 KV cache fits half of
+    what the bf16 weights leave free: here computed from the torch model and its allocated cache."""
+    from specdec.models.config import GemmaConfig
+    from specdec.models.torch_gemma import GemmaModel, KVCache
+
+    cfg = GemmaConfig.from_file(ckpt / "config.json")
+    settings = DistillSettings(max_seq_len=256, k=4)
+    weights = 2 * sum(p.numel() for p in GemmaModel.from_checkpoint(ckpt).parameters())
+    cache = KVCache.allocate(cfg, 1, 256, 4, torch.bfloat16, "meta")
+    per_row = sum(t.numel() * t.element_size() for t in cache.keys + cache.values if t is not None)
+    assert default_batch(cfg, settings, None) == 4
+    assert default_batch(cfg, settings, weights + 2 * 8 * per_row) == 8
+    assert default_batch(cfg, settings, weights + 2 * 8 * per_row - 1) == 4
+    assert default_batch(cfg, settings, weights + 2 * 10_000 * per_row) == 256
+    assert default_batch(cfg, settings, weights // 2) == 1
 
 
 def test_sampled_distillation_is_seeded_and_out_dirs_are_guarded(ckpt, tmp_path):
