@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specdec.drafters import eagle3_jax as ej
-from specdec.drafters.eagle3 import Eagle3Config, random_head
+from specdec.drafters.eagle3 import Eagle3Config, draft_to_target, random_head
 from specdec.models import jax_gemma
 
 ARGMAX_CHUNK = 16384  # target ids per chunk of the full-vocabulary argmax
@@ -189,6 +189,11 @@ def make_train_step(hcfg: Eagle3Config, tcfg, settings: LossSettings, schedule, 
 
     return jax.jit(step, in_shardings=(replicated, replicated, replicated, split),
                    out_shardings=(replicated, replicated), donate_argnums=0)
+
+
+def loss_vocab(d2t, t2d) -> dict:
+    """The draft vocabulary as eagle3_loss takes it: draft_ids [Vd] (the target id of each draft id), t2d [V]."""
+    return {"draft_ids": jnp.asarray(draft_to_target(d2t), jnp.int32), "t2d": jnp.asarray(t2d)}
 
 
 def make_eval_loss(hcfg: Eagle3Config, tcfg, settings: LossSettings, mesh: Mesh):

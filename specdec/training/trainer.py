@@ -96,7 +96,7 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
 
     from specdec import compile_cache
     from specdec.api import resolve_checkpoint
-    from specdec.drafters.eagle3 import Eagle3Config, build_draft_vocab, default_aux_layer_ids, draft_to_target, save_head
+    from specdec.drafters.eagle3 import Eagle3Config, build_draft_vocab, default_aux_layer_ids, save_head
     from specdec.models import jax_gemma
     from specdec.models.checkpoint import checkpoint_fingerprint
     from specdec.models.config import GemmaConfig
@@ -171,8 +171,7 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
         state = train.create_state(train.init_head_params(head_cfg, cfg.seed), tx)
     state = state.replace(step=jnp.asarray(start, jnp.int32))
     state = jax.device_put(state, replicated)
-    vocab = jax.device_put({"draft_ids": jnp.asarray(draft_to_target(d2t), jnp.int32), "t2d": jnp.asarray(t2d)},
-                           replicated)
+    vocab = jax.device_put(train.loss_vocab(d2t, t2d), replicated)
 
     def save(step: int) -> Path | None:
         if not lead:
@@ -268,7 +267,7 @@ def evaluate_head(head_dir: str | Path, data_dir: str | Path, target: str | Path
 
     from specdec import compile_cache
     from specdec.api import resolve_checkpoint
-    from specdec.drafters.eagle3 import draft_to_target, load_for_target
+    from specdec.drafters.eagle3 import load_for_target
     from specdec.models import jax_gemma
     from specdec.models.checkpoint import checkpoint_fingerprint
     from specdec.models.config import GemmaConfig
@@ -290,7 +289,7 @@ def evaluate_head(head_dir: str | Path, data_dir: str | Path, target: str | Path
     settings = train.LossSettings(ttt_steps=ttt_steps, compute_dtype=dtype)
     loss_fn = train.make_eval_loss(head.cfg, tcfg, settings, train.data_mesh(jax.local_devices()[:1]))
     params = {k: jnp.asarray(v) for k, v in head.params.items()}
-    vocab = {"draft_ids": jnp.asarray(draft_to_target(head.d2t), jnp.int32), "t2d": jnp.asarray(head.t2d)}
+    vocab = train.loss_vocab(head.d2t, head.t2d)
     per_batch = []
     for rows in data.padded_batches(np.arange(data.num_rows), batch_size):
         batch = {k: v for k, v in data.batch(rows, seq_len, tcfg.pad_token_id).items() if k != "valid"}
