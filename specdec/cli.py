@@ -441,13 +441,14 @@ def corpus_cmd(
     builtin: bool = typer.Option(True, help="include this machine's Python sources and /usr/share/doc"),
     mb: float = typer.Option(16.0, help="MB of text to read, shared equally between the sources"),
     seed: int = typer.Option(0, help="file and row shuffle seed"),
+    heldout: int = typer.Option(0, help="files to set aside, spread over the sources: one prompt each in NAME.heldout.jsonl (for bench --prompts), none of their text in the rows"),
     overwrite: bool = typer.Option(False, help="replace --out if it exists"),
 ):
     """Build a prompt corpus from text on this machine (built-in sources and directories you add, e.g. unpacked
     Debian or npm packages) with the benchmark prompts left out, to distill from here or on another machine."""
     from rich.table import Table
 
-    from specdec.data.corpus import build_corpus, default_sources, parse_source, write_corpus
+    from specdec.data.corpus import build_corpus, default_sources, heldout_path, parse_source, write_corpus
 
     if mb <= 0:
         raise SpecdecError(f"--mb must be > 0, got {mb}")
@@ -456,7 +457,7 @@ def corpus_cmd(
     sources = (default_sources() if builtin else []) + [parse_source(s) for s in source]
     if not sources:
         raise SpecdecError("no sources: pass --source DIR, or leave --builtin on")
-    built = build_corpus(sources, max_bytes=int(mb * 2**20), seed=seed)
+    built = build_corpus(sources, max_bytes=int(mb * 2**20), seed=seed, heldout=heldout)
     write_corpus(built, out)
     table = Table("source", "kind", "files", "MB", "rows")
     for s in built.sources:
@@ -465,6 +466,8 @@ def corpus_cmd(
     left_out = ", ".join(f"{n:,} {why.replace('_', ' ')}" for why, n in built.excluded.items() if n)
     err.print(f"wrote {len(built.rows):,} rows to {out}" + (f" (left out: {left_out})" if left_out else ""),
               highlight=False, soft_wrap=True)
+    if built.heldout:
+        err.print(f"held out {len(built.heldout):,} files: one prompt each in {heldout_path(out)}", highlight=False, soft_wrap=True)
 
 
 train_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train draft heads.")

@@ -13,6 +13,8 @@ MAX_MEAN_LINE characters) are left out.
 
 Deterministic: files are listed sorted, read in a seeded shuffle until each source has its equal share of
 the size limit, cut into chunks at line boundaries, deduplicated, then all chunks shuffled with the seed.
+A held-out split (`heldout`) sets whole files aside, spread over the sources: one prompt from each, and none
+of their chunks in the rows, so a head trained on the rows is evaluated on files it never saw.
 Evaluation data stays out: files whose path names a benchmark (HumanEval, MBPP, MT-Bench, GSM8K), and any
 chunk that contains one of this package's benchmark prompts (`specdec/prompts/bench.jsonl`) whole or shares
 a run of 13 words with one (the n-gram overlap test of GPT-3's contamination study).
@@ -99,19 +101,24 @@ def default_sources() -> list[CorpusSource]:
 @dataclass
 class Corpus:
     """`rows`: {"text", "source"} dicts, shuffled. `sources`: what each source gave (for the manifest).
-    `excluded`: chunks and files left out, by why."""
+    `excluded`: chunks and files left out, by why. `heldout`: {"prompt", "source"} dicts, one per held-out file."""
 
     rows: list[dict]
     sources: list[dict]
     excluded: dict[str, int] = field(default_factory=dict)
+    heldout: list[dict] = field(default_factory=list)
 
     def describe(self) -> dict:
-        return {"kind": "corpus", "sources": self.sources, "excluded": self.excluded, "rows": len(self.rows)}
+        return {"kind": "corpus", "sources": self.sources, "excluded": self.excluded, "rows": len(self.rows),
+                "heldout_files": len(self.heldout)}
 
 
 def build_corpus(sources: list[CorpusSource] | None = None, max_bytes: int = 16 << 20, seed: int = 0,
-                 chunk_chars: int = 1024) -> Corpus:
-    """Read up to `max_bytes` of text (an equal share per source) into chunks of about `chunk_chars`."""
+                 chunk_chars: int = 1024, heldout: int = 0) -> Corpus:
+    """Read up to `max_bytes` of text (an equal share per source) into chunks of about `chunk_chars`, and set
+    `heldout` files aside (split_heldout)."""
+    if heldout < 0:
+        raise SpecdecError(f"heldout must be >= 0, got {heldout}")
     sources = default_sources() if sources is None else sources
     share = max_bytes // max(len(sources), 1)
     guard = BenchmarkGuard.packaged()
@@ -148,8 +155,42 @@ def build_corpus(sources: list[CorpusSource] | None = None, max_bytes: int = 16 
                     rows.append({"text": chunk, "source": f"corpus:{source.name}:{relative}#{i}"})
                     used["chunks"] += 1
         described.append(used)
+    rows, held = split_heldout(rows, [s.name for s in sources], heldout, seed)
     random.Random(seed).shuffle(rows)
-    return Corpus(rows, described, excluded)
+    return Corpus(rows, described, excluded, held)
+
+
+def _file_of(row: dict) -> str:
+    return row["source"].rsplit("#", 1)[0]  # corpus:SOURCE:PATH#CHUNK
+
+
+def split_heldout(rows: list[dict], source_names: list[str], count: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Set `count` files aside, as evenly over the sources as their files allow (seeded): -> (the rows of every
+    other file, one prompt per held-out file: its first chunk)."""
+    if not count:
+        return rows, []
+    first_chunk: dict[str, dict] = {}
+    for row in rows:
+        first_chunk.setdefault(_file_of(row), row)
+    by_source = {name: sorted(f for f in first_chunk if f.startswith(f"corpus:{name}:")) for name in source_names}
+    if count > len(first_chunk) - 1:
+        raise SpecdecError(f"cannot hold out {count} files: the corpus has {len(first_chunk)}")
+    rng = random.Random(f"{seed}/heldout")
+    for files in by_source.values():
+        rng.shuffle(files)
+    chosen: list[str] = []
+    while len(chosen) < count:  # round robin over the sources, skipping those out of files
+        for files in by_source.values():
+            if files and len(chosen) < count:
+                chosen.append(files.pop())
+    held = set(chosen)
+    prompts = [{"prompt": first_chunk[f]["text"], "source": first_chunk[f]["source"]} for f in chosen]
+    return [row for row in rows if _file_of(row) not in held], prompts
+
+
+def heldout_path(rows_path: Path) -> Path:
+    """Where a written corpus's held-out prompts lie: corpus.jsonl -> corpus.heldout.jsonl."""
+    return rows_path.with_name(rows_path.stem + ".heldout.jsonl")
 
 
 def manifest_path(rows_path: Path) -> Path:
@@ -158,11 +199,20 @@ def manifest_path(rows_path: Path) -> Path:
 
 
 def write_corpus(corpus: Corpus, out: Path) -> None:
-    """The rows as JSONL ({"text", "source"} a line, what `distill --prompts` reads) and the description beside
-    them; each file is written whole under a temporary name first, so a killed run leaves no partial corpus."""
+    """The rows as JSONL ({"text", "source"} a line, what `distill --prompts` reads), the description beside
+    them, and the held-out prompts if any ({"prompt", "source"}, what `bench --prompts` reads); each file is
+    written whole under a temporary name first, so a killed run leaves no partial corpus."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in corpus.rows)
-    for path, text in ((out, lines), (manifest_path(out), json.dumps(corpus.describe(), indent=1) + "\n")):
+
+    def jsonl(rows):
+        return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+    files = [(out, jsonl(corpus.rows)), (manifest_path(out), json.dumps(corpus.describe(), indent=1) + "\n")]
+    if corpus.heldout:
+        files.append((heldout_path(out), jsonl(corpus.heldout)))
+    else:  # an earlier corpus's held-out files may be among these rows
+        heldout_path(out).unlink(missing_ok=True)
+    for path, text in files:
         partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
         partial.write_text(text, encoding="utf-8")
         os.replace(partial, path)

@@ -16,6 +16,7 @@ from specdec.data.corpus import (
     CorpusSource,
     build_corpus,
     default_sources,
+    heldout_path,
     parse_source,
 )
 from specdec.data.sources import jsonl_rows
@@ -121,6 +122,27 @@ def test_added_sources_take_code_and_prose_by_suffix(tmp_path):
     assert kinds == {"any": {"lib/routes.js", "README.md"}, "code": {"lib/routes.js"}, "prose": {"README.md"}}
 
 
+def _files(rows):
+    return {row["source"].rsplit("#", 1)[0] for row in rows}
+
+
+def test_heldout_files_leave_the_rows_whole_and_span_the_sources(tmp_path):
+    sources = fake_sources(tmp_path)
+    whole = build_corpus(sources, max_bytes=1 << 20, seed=0, chunk_chars=512)
+    split = build_corpus(sources, max_bytes=1 << 20, seed=0, chunk_chars=512, heldout=3)
+    held = _files([{"source": p["source"]} for p in split.heldout])
+    assert len(split.heldout) == len(held) == 3
+    assert {f.split(":")[1] for f in held} == {"lib", "doc"}  # round robin over the sources
+    assert held.isdisjoint(_files(split.rows)) and held | _files(split.rows) == _files(whole.rows)
+    assert sorted(r["text"] for r in split.rows) == sorted(r["text"] for r in whole.rows if _files([r]).isdisjoint(held))
+    chunks = {r["source"]: r["text"] for r in whole.rows}
+    assert all(p["prompt"] == chunks[p["source"]] for p in split.heldout)
+    assert split.heldout == build_corpus(sources, max_bytes=1 << 20, seed=0, chunk_chars=512, heldout=3).heldout
+    assert split.describe()["heldout_files"] == 3
+    with pytest.raises(SpecdecError, match="cannot hold out 99 files"):
+        build_corpus(sources, max_bytes=1 << 20, heldout=99)
+
+
 def test_parse_source(tmp_path):
     assert parse_source(str(tmp_path)) == CorpusSource(str(tmp_path), "any", tmp_path)
     assert parse_source(f"{tmp_path}:prose").kind == "prose" and parse_source(f"{tmp_path}:code").root == tmp_path
@@ -149,3 +171,25 @@ def test_cli_writes_a_corpus_that_distill_reads(tmp_path):
         result = CliRunner().invoke(app, ["corpus", "--no-builtin", *bad, "--out", str(tmp_path / "x.jsonl")])
         assert result.exit_code == 1 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x.jsonl").exists()
+    assert not heldout_path(out).exists()
+
+
+def test_cli_holds_out_files_as_bench_prompts(tmp_path):
+    from specdec.cli import read_prompts
+
+    sources = fake_sources(tmp_path)
+    out = tmp_path / "corpus.jsonl"
+    args = ["corpus", "--no-builtin", "--source", f"{sources[0].root}:code", "--source", f"{sources[1].root}:prose",
+            "--mb", "1", "--out", str(out), "--heldout", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    assert heldout_path(out) == tmp_path / "corpus.heldout.jsonl" and "held out 2 files" in result.stderr
+    built = build_corpus([parse_source(a) for a in args[3:6:2]], max_bytes=1 << 20, heldout=2)
+    assert read_prompts(heldout_path(out)) == [p["prompt"] for p in built.heldout]
+    assert json.loads((tmp_path / "corpus.manifest.json").read_text())["heldout_files"] == 2
+    assert _files([r for _, r in jsonl_rows(out)]).isdisjoint(_files(built.heldout))
+
+    again = CliRunner().invoke(app, args[:-2] + ["--overwrite"])  # no held-out split now: none stale is left
+    assert again.exit_code == 0 and not heldout_path(out).exists()
+    bad = CliRunner().invoke(app, args[:-1] + ["-1", "--overwrite"])
+    assert bad.exit_code == 1 and "heldout must be >= 0" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
