@@ -142,6 +142,7 @@ def test_eagle3_eval_scores_a_head_on_any_distilled_data(trained, target, online
     for key, value in metrics.items():
         assert value == pytest.approx(logged[key], rel=1e-5, abs=1e-6), key
     assert f"{logged['eval_acc_0']:.3f}" in err
+    assert f"{logged['eval_acc_0'] * logged['eval_coverage_0']:.3f}" in err  # out-of-vocabulary tokens as misses
 
     one_line_error(*run("train", "eagle3-eval", "--head", trained.head, "--data", held_out, "--target", target,
                         "--ttt-steps", 0)[::2], "ttt steps must be >= 1")
