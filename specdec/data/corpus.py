@@ -174,7 +174,7 @@ def split_heldout(rows: list[dict], source_names: list[str], count: int, seed: i
         first_chunk.setdefault(_file_of(row), row)
     by_source = {name: sorted(f for f in first_chunk if f.startswith(f"corpus:{name}:")) for name in source_names}
     if count > len(first_chunk) - 1:
-        raise SpecdecError(f"cannot hold out {count} files: the corpus has {len(first_chunk)}")
+        raise SpecdecError(f"cannot hold out {count} files: the corpus has {len(first_chunk)}, and one must stay")
     rng = random.Random(f"{seed}/heldout")
     for files in by_source.values():
         rng.shuffle(files)
