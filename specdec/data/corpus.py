@@ -123,7 +123,7 @@ def build_corpus(sources: list[CorpusSource] | None = None, max_bytes: int = 16 
     share = max_bytes // max(len(sources), 1)
     guard = BenchmarkGuard.packaged()
     seen: set[str] = set()
-    excluded = {"benchmark_path": 0, "benchmark_text": 0, "duplicate": 0, "minified": 0}
+    excluded = {"benchmark_path": 0, "benchmark_text": 0, "duplicate": 0, "minified": 0, "held_out": 0}
     rows, described = [], []
     for source in sources:
         files = source.files()
@@ -155,7 +155,8 @@ def build_corpus(sources: list[CorpusSource] | None = None, max_bytes: int = 16 
                     rows.append({"text": chunk, "source": f"corpus:{source.name}:{relative}#{i}"})
                     used["chunks"] += 1
         described.append(used)
-    rows, held = split_heldout(rows, [s.name for s in sources], heldout, seed)
+    kept, held = split_heldout(rows, [s.name for s in sources], heldout, seed)
+    excluded["held_out"], rows = len(rows) - len(kept), kept  # chunks of the held-out files
     random.Random(seed).shuffle(rows)
     return Corpus(rows, described, excluded, held)
 

@@ -139,6 +139,7 @@ def test_heldout_files_leave_the_rows_whole_and_span_the_sources(tmp_path):
     assert all(p["prompt"] == chunks[p["source"]] for p in split.heldout)
     assert split.heldout == build_corpus(sources, max_bytes=1 << 20, seed=0, chunk_chars=512, heldout=3).heldout
     assert split.describe()["heldout_files"] == 3
+    assert split.excluded["held_out"] == len(whole.rows) - len(split.rows) > 3  # every chunk of those files
     with pytest.raises(SpecdecError, match="cannot hold out 99 files"):
         build_corpus(sources, max_bytes=1 << 20, heldout=99)
 
