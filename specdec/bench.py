@@ -324,6 +324,7 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: Benc
             accepted_at = [sum(s.accepted_at[i] for s in stats) for i in range(k)] if stats else []
             drafted_at = [sum(s.drafted_at[i] for s in stats) for i in range(k)] if stats else []
             ours_plain = tok_s(Method(engine, 0)) if engine != PEER else None
+            cycle_s = sum(r.seconds for r in mine) / cycles if cycles else None
             results.append({
                 "method": method.name, "engine": engine, "drafter": method.drafter if k else None, "k": k,
                 "tokens": sum(len(r.tokens) for r in mine), "seconds": sum(r.seconds for r in mine),
@@ -331,6 +332,9 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: Benc
                 "vs_our_plain": tok_s(method) / ours_plain if ours_plain else None,
                 "vs_hf_plain": tok_s(method) / hf_plain if hf_plain else None,
                 "tau": emitted / cycles if cycles else None,
+                # What a cycle costs, and the tok/s if every draft were accepted at that cost: a drafter's ceiling.
+                "cycle_ms": 1000 * cycle_s if cycle_s else None,
+                "ceiling_tok_s": (k + 1) / cycle_s if cycle_s else None,
                 "per_position_acceptance": [a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at)],
                 "identical": None if differences is None else all(d is None for d in differences),
                 "per_prompt": [
@@ -460,6 +464,36 @@ def plot_acceptance(record: dict, path: Path) -> None:
     ax.set_ylim(0, 1)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
+    _finish_plot(fig, ax, record, path)
+
+
+def plot_cost(record: dict, path: Path) -> None:
+    """tok/s against tau for our speculative runs: each run's cycle cost is the slope of its line, which ends at
+    its ceiling (every draft accepted, tau = K + 1); plain decoding per engine for reference. A drafter beats
+    another only where its line runs above the other's point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {}
+    for m in (m for m in record["methods"] if m["engine"] != PEER):
+        if m["k"] == 0:
+            ax.axhline(m["tok_s"], color="grey", ls=":", lw=1)
+            ax.annotate(m["method"], (0.05, m["tok_s"]), fontsize=7, va="bottom")
+            continue
+        group = m["method"].rsplit(" K=", 1)[0]  # e.g. "torch n-gram": one colour, one legend entry
+        first = group not in styles
+        color = styles.setdefault(group, f"C{len(styles)}")
+        ax.plot([0, m["k"] + 1], [0, m["ceiling_tok_s"]], "--", color=color, lw=0.8, alpha=0.6)
+        ax.plot(m["tau"], m["tok_s"], "o" if m["drafter"] == "ngram" else "^", color=color,
+                label=group if first else None)
+        ax.annotate(f"K={m['k']}", (m["tau"], m["tok_s"]), fontsize=7, xytext=(3, -9), textcoords="offset points")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("tau (tokens per cycle); dashed: tok/s at that cycle cost, up to every draft accepted")
+    ax.set_ylabel("tokens / s")
     _finish_plot(fig, ax, record, path)
 
 

@@ -327,9 +327,10 @@ def bench(
     out.write_text(json.dumps(record, indent=1))
     plot = plot or out.with_suffix(".png")
     benchmark.plot_bench(record, plot)
-    acceptance = plot.with_name(plot.stem + "-acceptance.png")
+    acceptance, cost = (plot.with_name(f"{plot.stem}-{name}.png") for name in ("acceptance", "cost"))
     benchmark.plot_acceptance(record, acceptance)
-    err.print(f"results in {out}, plots in {plot} and {acceptance}", soft_wrap=True)
+    benchmark.plot_cost(record, cost)
+    err.print(f"results in {out}, plots in {plot}, {acceptance} and {cost}", soft_wrap=True)
     if not record["identical"]:
         where = "; ".join(benchmark.differences(record))
         if invariant:

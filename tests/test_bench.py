@@ -52,8 +52,13 @@ def test_both_engines_and_the_peer(ckpt, prompts_file, tmp_path):
         speculative = methods[f"{engine} n-gram K=2"]
         assert speculative["identical"] is True and speculative["tau"] >= 1
         assert len(speculative["per_position_acceptance"]) == 2
+        for m, k in ((methods[f"{engine} plain"], 0), (speculative, 2)):  # the ceiling: every draft accepted
+            assert m["cycle_ms"] > 0 and m["ceiling_tok_s"] == pytest.approx((k + 1) * 1000 / m["cycle_ms"])
+            assert m["ceiling_tok_s"] >= m["tok_s"] * (1 - 1e-9)
+    assert methods["HF plain"]["cycle_ms"] is None  # transformers reports no cycles
     assert record["identical"] is True
-    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    for png in (out.with_suffix(".png"), tmp_path / "bench-acceptance.png", tmp_path / "bench-cost.png"):
+        assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert "torch n-gram K=2" in stdout and "HF prompt lookup K=2" in stdout and "identical" in stdout
 
 
