@@ -423,13 +423,8 @@ def differences(record: dict, engines: tuple[str, ...] = ("torch", "jax")) -> li
 def plot_bench(record: dict, path: Path) -> None:
     """tok/s against K: per engine its drafters' runs and its plain decode; transformers' prompt lookup and
     plain generate beside them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ks = record["settings"]["ks"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure()
     for i, engine in enumerate(dict.fromkeys(m["engine"] for m in record["methods"])):
         color = "black" if engine == PEER else f"C{i}"
         plain = next(m for m in record["methods"] if m["engine"] == engine and m["k"] == 0)
@@ -450,13 +445,8 @@ def plot_bench(record: dict, path: Path) -> None:
 def plot_acceptance(record: dict, path: Path) -> None:
     """Per-position acceptance (the rate at which the draft at each position is accepted, vLLM's definition)
     of every drafter of ours at the largest K, per engine."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     k = max(record["settings"]["ks"])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure()
     for i, m in enumerate(m for m in record["methods"] if m["k"] == k and m["engine"] != PEER):
         ax.plot(range(1, k + 1), m["per_position_acceptance"], "o-" if m["drafter"] == "ngram" else "^-",
                 color=f"C{i}", label=f"{m['method']} (tau {m['tau']:.2f})")
@@ -471,12 +461,7 @@ def plot_cost(record: dict, path: Path) -> None:
     """tok/s against tau for our speculative runs: each run's cycle cost is the slope of its line, which ends at
     its ceiling (every draft accepted, tau = K + 1); plain decoding per engine for reference. A drafter beats
     another only where its line runs above the other's point."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure()
     styles = {}
     for m in (m for m in record["methods"] if m["engine"] != PEER):
         if m["k"] == 0:
@@ -495,6 +480,16 @@ def plot_cost(record: dict, path: Path) -> None:
     ax.set_xlabel("tau (tokens per cycle); dashed: tok/s at that cycle cost, up to every draft accepted")
     ax.set_ylabel("tokens / s")
     _finish_plot(fig, ax, record, path)
+
+
+def _figure():
+    """A figure and its axes, drawn off-screen (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(7, 4.5))
 
 
 def _finish_plot(fig, ax, record: dict, path: Path) -> None:
