@@ -1,0 +1,154 @@
+"""Where a fused cycle's time goes (PyTorch engine, CUDA): for plain decode, n-gram and EAGLE-3 drafting,
+the cycle as users run it (one CUDA graph replay and one host sync), its GPU time alone (replays back to
+back, timed with events), the target's verify forward alone, and the kernels one replay runs (torch
+profiler), grouped by name. The difference between cycle and verify is what drafting and acceptance cost.
+
+    python scripts/profile_cycle.py --target DIR --out docs/results/profile-cycle-h100.json
+    python scripts/profile_cycle.py --config .../config.json      # random weights at a checkpoint's shapes
+
+Random weights cost what real ones do (shapes, not values, set a kernel's time); the drafter's acceptance
+means nothing then, and nothing here depends on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, engine_taps, load_head, random_head
+from specdec.drafters.ngram import NgramDrafter
+from specdec.evidence import git_commit, now_utc
+from specdec.generate import StopCondition
+from specdec.models.config import GemmaConfig
+from specdec.models.torch_gemma import GemmaModel
+from specdec.sampling import SamplingParams
+from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def wall_ms(cycle: FusedCycle, reps: int) -> float:
+    """Median ms of cycle.step(): replay and the host's read of the result, as decoding runs it."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        cycle.step()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
+
+
+def gpu_ms(replay, reps: int) -> float:
+    """ms per replay with replays back to back and no host sync between them (CUDA events)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(reps):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / reps
+
+
+def kernels(replay, reps: int) -> dict:
+    """The kernels of one replay, from the profiler over `reps` replays: count, busy ms, top names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = by_name[event.name]
+            entry[0] += 1
+            entry[1] += event.device_time_total / 1e3  # us -> ms
+    count = sum(c for c, _ in by_name.values()) / reps
+    busy = sum(t for _, t in by_name.values()) / reps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+    return {"per_replay": count, "busy_ms": busy,
+            "top": [{"name": n[:120], "per_replay": c / reps, "ms": t / reps} for n, (c, t) in top]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--target", type=Path, help="an imported checkpoint directory")
+    source.add_argument("--config", type=Path, help="a config.json: random weights at its shapes")
+    parser.add_argument("--head", type=Path, help="an EAGLE-3 head directory (default: a random head)")
+    parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=Path("profile-cycle.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_cycle needs CUDA")
+    dtype, device, context = torch.bfloat16, "cuda", 4096
+    if args.target:
+        model = GemmaModel.from_checkpoint(args.target, dtype=dtype, device=device, max_seq_len=context)
+    else:
+        model = GemmaModel.random(GemmaConfig.from_file(args.config), dtype, device, context)
+    cfg = model.cfg
+    head = load_head(args.head) if args.head else random_head(Eagle3Config.for_target(cfg))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20000, args.prompt_tokens)]
+    plain_engine = TorchEngine(model, max_seq_len=context, k_max=args.k)
+    tapped_engine = TorchEngine(model, max_seq_len=context, k_max=args.k,
+                                hidden_layers=engine_taps(head.cfg.aux_layer_ids))
+    methods = {
+        "plain": lambda: FusedCycle(plain_engine, None, 0),
+        "ngram": lambda: FusedCycle(plain_engine, NgramDrafter().device_draft_fn("torch", args.k), args.k),
+        "eagle3": lambda: FusedCycle(tapped_engine, Eagle3Drafter(head, tapped_engine, args.k, SamplingParams())
+                                     .device_draft_fn("torch", args.k), args.k),
+    }
+    rows = []
+    for name, make in methods.items():
+        log(f"{name}: capturing")
+        cycle = make()
+        engine = cycle.verifier
+        cycle.start([prompt], StopCondition(10**6))
+        for _ in range(3):
+            cycle.step()
+        graph = cycle._graph[0]
+        wall = wall_ms(cycle, args.reps)
+        gpu = gpu_ms(graph.replay, args.reps)
+        ks = kernels(graph.replay, 20)
+        # the verify forward alone, at the same width (its own graph over the same cache)
+        engine.verify(torch.zeros(1, args.k + 1 if name != "plain" else 1, dtype=torch.long, device=device))
+        verify_graph = engine._graphs[engine.width][0]
+        verify = gpu_ms(verify_graph.replay, args.reps)
+        verify_kernels = kernels(verify_graph.replay, 20)
+        rows.append({"method": name, "k": 0 if name == "plain" else args.k, "cycle_wall_ms": wall, "cycle_gpu_ms": gpu,
+                     "verify_gpu_ms": verify, "kernels": ks, "verify_kernels": verify_kernels})
+        log(f"{name}: wall {wall:.3f} ms, gpu {gpu:.3f} ms, verify {verify:.3f} ms, "
+            f"{ks['per_replay']:.0f} kernels ({ks['busy_ms']:.3f} ms busy)")
+        del cycle
+    record = {"benchmark": "profile_cycle", "date": now_utc(), "commit": git_commit(),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(dtype),
+              "model": str(args.target or args.config), "weights": "checkpoint" if args.target else "random",
+              "head": str(args.head or "random"), "invariant_width": plain_engine.width,
+              "prompt_tokens": len(prompt), "rows": rows}
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"\n{record['device']} · {record['commit']} · width {plain_engine.width} · k {args.k}")
+    print(f"{'method':8s} {'wall ms':>8s} {'gpu ms':>7s} {'verify':>7s} {'rest':>6s} {'kernels':>8s} "
+          f"{'busy ms':>8s} {'verify kernels':>15s}")
+    for r in rows:
+        print(f"{r['method']:8s} {r['cycle_wall_ms']:8.3f} {r['cycle_gpu_ms']:7.3f} {r['verify_gpu_ms']:7.3f} "
+              f"{r['cycle_gpu_ms'] - r['verify_gpu_ms']:6.3f} {r['kernels']['per_replay']:8.0f} "
+              f"{r['kernels']['busy_ms']:8.3f} {r['verify_kernels']['per_replay']:15.0f}")
+    for r in rows:
+        print(f"\n{r['method']}: top kernels per replay (count, ms)")
+        for t in r["kernels"]["top"][:12]:
+            print(f"  {t['per_replay']:5.1f} {t['ms']:7.4f}  {t['name'][:100]}")
+
+
+if __name__ == "__main__":
+    main()
