@@ -322,5 +322,5 @@ class Eagle3Drafter(StatefulDrafter):
 
             model = verifier.model
             device = TorchEagle3(head, model.token_embeddings, verifier.device, verifier.batch, verifier.max_seq_len, k,
-                                 sampling, model.dtype)
+                                 sampling, model.dtype, compile=verifier.compiles)
         super().__init__(device, verifier, k, head.cfg.vocab_size, "eagle3")

@@ -20,6 +20,8 @@ and eager run the same kernels on the same buffers, so they give the same tokens
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from specdec.acceptance.torch_rule import accept_greedy, accept_sampled
@@ -33,17 +35,30 @@ from specdec.sampling import SamplingParams
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds activation memory)
 
 
+def _allow_recompiles() -> None:
+    # Every model, width and batch in a process is one more compilation of a function. Past dynamo's limit
+    # (8) it would silently run eager, and eager rounds differently from compiled: a plain and a
+    # speculative decode could then disagree. Allow many, and fail loudly past them.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
 def compiled_forward(model: GemmaModel):
     """The model's forward under torch.compile, compiled once per model and shared by its engines. Static
     shapes first (an invariant engine runs one width); torch recompiles dynamic in T if widths vary."""
     if getattr(model, "_compiled_forward", None) is None:
-        # Every model, width and batch in a process is one more compilation of GemmaModel.forward. Past
-        # dynamo's limit (8) it would silently run eager, and eager rounds differently from compiled: a
-        # plain and a speculative decode could then disagree. Allow many, and fail loudly past them.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        _allow_recompiles()
         model._compiled_forward = torch.compile(model.forward, fullgraph=True)
     return model._compiled_forward
+
+
+@functools.cache
+def compiled(fn):
+    """`fn` (a pure function of tensors: drafting, acceptance) under torch.compile, made once per function.
+    In a CUDA graph every small op is a node that costs a few microseconds however little it does; fused,
+    an n-gram lookup or an EAGLE-3 step runs a handful of kernels instead of dozens."""
+    _allow_recompiles()
+    return torch.compile(fn, fullgraph=True)
 
 
 class TorchEngine:
@@ -78,8 +93,8 @@ class TorchEngine:
         self.cache: KVCache = model.allocate_cache(batch, k_max, self.max_seq_len, lookahead)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        use_compile = self.device.type == "cuda" if compile is None else compile
-        self._model_fn = compiled_forward(model) if use_compile else model.forward
+        self.compiles = self.device.type == "cuda" if compile is None else compile
+        self._model_fn = compiled_forward(model) if self.compiles else model.forward
         self._pad_tokens = torch.full((batch, self.width - 1), model.cfg.pad_token_id, dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, VerifyOutput]] = {}
         # Per row, the hidden states of `hidden_layers` at its committed prompt positions [P-1, n, H] (an
@@ -240,6 +255,12 @@ class FusedCycle:
             raise SpecdecError(f"k={k} drafts need a draft function")
         self.verifier, self.draft_fn, self.k, self.sampling = engine, draft_fn, k, sampling
         self.drafter = draft_fn if k > 0 and hasattr(draft_fn, "observe") else None
+        # With the engine's forward compiled, so are the cycle's other pieces (a stateful drafter compiles
+        # its own step); greedy acceptance is an argmax either way (lowest id on ties), so compiling it
+        # changes no token. Sampled acceptance stays eager: it draws from the cycle's generator.
+        self._accept_greedy = compiled(accept_greedy) if engine.compiles else accept_greedy
+        if engine.compiles and k > 0 and self.drafter is None:
+            self.draft_fn = compiled(draft_fn)
         self.buffer = torch.zeros(engine.batch, engine.max_seq_len + k + 1, dtype=torch.long, device=engine.device)
         self.context_len = torch.zeros(engine.batch, dtype=torch.long, device=engine.device)  # pending included
         self.limit = torch.zeros_like(self.context_len)  # a row advances while context_len < limit
@@ -278,7 +299,7 @@ class FusedCycle:
         out = engine._forward(engine.pad(torch.cat([pending, draft], dim=1)))
         logits = out.logits[:, : k + 1]
         if self.sampling.greedy:
-            num_accepted, next_token = accept_greedy(draft, draft_len, logits)
+            num_accepted, next_token = self._accept_greedy(draft, draft_len, logits)
         else:
             num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits, self.sampling,
                                                       self.generator)
