@@ -55,6 +55,7 @@ def test_both_engines_and_the_peer(ckpt, prompts_file, tmp_path):
         for m, k in ((methods[f"{engine} plain"], 0), (speculative, 2)):  # the ceiling: every draft accepted
             assert m["cycle_ms"] > 0 and m["ceiling_tok_s"] == pytest.approx((k + 1) * 1000 / m["cycle_ms"])
             assert m["ceiling_tok_s"] >= m["tok_s"] * (1 - 1e-9)
+            assert 0 < m["prefill_ms"] and all(0 < p["prefill_s"] < p["seconds"] for p in m["per_prompt"])
     assert methods["HF plain"]["cycle_ms"] is None  # transformers reports no cycles
     assert record["identical"] is True
     for png in (out.with_suffix(".png"), tmp_path / "bench-acceptance.png", tmp_path / "bench-cost.png"):
