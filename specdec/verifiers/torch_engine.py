@@ -53,13 +53,21 @@ def compiled_forward(model: GemmaModel):
 
 
 def compiled_prefill(model: GemmaModel):
-    """The model's forward for prefill chunks under torch.compile, dynamic in batch and length: one program
+    """The model's forward for prefill chunks under torch.compile, dynamic in the chunk's length: one program
     serves every prompt, where the eager forward spends ~25 ms per prompt launching its kernels from Python.
     Its own compilation (not compiled_forward's): dynamo keeps each torch.compile's programs apart, so a
-    decode forward never runs this dynamic-shape program."""
+    decode forward never runs this dynamic-shape program. Only the tensors' length is marked dynamic
+    (`dynamic=True` would make integer arguments such as the hidden layers' indices symbolic too)."""
     if getattr(model, "_compiled_prefill", None) is None:
         _allow_recompiles()
-        model._compiled_prefill = torch.compile(model.forward, fullgraph=True, dynamic=True)
+        forward = torch.compile(model.forward, fullgraph=True)
+
+        def prefill(tokens, positions, cache, **kwargs):
+            for tensor in (tokens, positions):
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+            return forward(tokens, positions, cache, **kwargs)
+
+        model._compiled_prefill = prefill
     return model._compiled_prefill
 
 

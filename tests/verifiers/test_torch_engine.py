@@ -84,12 +84,14 @@ def test_fused_cycle_graph_matches_eager(random_checkpoints):
 
 def test_compiled_forward_matches_eager(model):
     """torch.compile fuses the forward (the default on CUDA): same logits up to float reassociation,
-    and the same greedy tokens here. Prefill runs one dynamic-shape program for every prompt length."""
+    and the same greedy tokens and prompt hidden states here. Prefill runs one dynamic-shape program for
+    every prompt length, hidden layers tapped (as for an EAGLE-3 head)."""
     from torch._dynamo.utils import counters
 
-    eager, compiled = (TorchEngine(model, max_seq_len=128, compile=c) for c in (False, True))
+    eager, compiled = (TorchEngine(model, max_seq_len=128, compile=c, hidden_layers=(0, 1)) for c in (False, True))
     prompt = [2, 17, 99, 5, 300, 41]
     assert compiled.greedy_decode(prompt, 12) == eager.greedy_decode(prompt, 12)
+    torch.testing.assert_close(compiled.prefill_hidden[0], eager.prefill_hidden[0])
     graphs = counters["stats"]["unique_graphs"]
     longer = [2, 8, 8, 31, 7, 7, 7, 19, 4, 4, 11]
     assert compiled.greedy_decode(longer, 4) == eager.greedy_decode(longer, 4)
