@@ -481,7 +481,7 @@ def plot_cost(record: dict, path: Path) -> None:
         ax.annotate(f"K={m['k']}", (m["tau"], m["tok_s"]), fontsize=7, xytext=(3, -9), textcoords="offset points")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("tau (tokens per cycle); dashed: decoding's tok/s at that cycle cost (prefill apart), up to tau = K+1")
+    ax.set_xlabel("tau (tokens per cycle); dashed: decoding alone at that cycle cost, to tau = K+1")
     ax.set_ylabel("tokens / s")
     _finish_plot(fig, ax, record, path)
 
