@@ -124,7 +124,7 @@ class Packed(nn.Module):
     """Linears that read one input, run as one GEMM: at decode a small GEMM costs a launch (~4 us on an
     H100) however few rows it has, so q/k/v and gate/up packed make a layer 4 GEMMs instead of 7. The
     linears keep their checkpoint names; `pack` (after the weights are loaded) makes each weight a view
-    into one packed matrix, and until then `weight` concatenates them."""
+    into one packed matrix, and until then `project` concatenates them."""
 
     def __init__(self, names: tuple[str, ...]):
         super().__init__()

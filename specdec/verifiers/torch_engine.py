@@ -14,8 +14,10 @@ are a floating-point near-tie.
 On CUDA each forward width is captured once as a CUDA graph and replayed: the model is launch-bound at
 small batch, and a replay issues hundreds of kernels for the price of one launch. `compile=True` (the
 default on CUDA) first fuses the forward's elementwise work with torch.compile (~1 minute, cached on
-disk by inductor), so each replay also runs far fewer kernels. On CPU the forwards run eagerly. Graphed
-and eager run the same kernels on the same buffers, so they give the same tokens.
+disk by inductor), so each replay also runs far fewer kernels; a fused cycle's drafting and acceptance
+are compiled with it, and prefill runs a compiled program of its own, dynamic in the prompt's length. On
+CPU the forwards run eagerly. Graphed and eager run the same kernels on the same buffers, so they give the
+same tokens.
 """
 
 from __future__ import annotations
