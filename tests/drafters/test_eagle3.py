@@ -137,6 +137,25 @@ def test_greedy_eagle3_is_plain_decoding(model, head, random_checkpoints, framew
     assert gen.stats.drafted == K * gen.stats.cycles  # it drafted every cycle (the prompts have features)
 
 
+def test_compiled_cycles_draft_as_eager_ones(model, head):
+    """With the engine compiled (the default on CUDA; here on the CPU), a fused cycle compiles the head's step,
+    n-gram lookup and greedy acceptance too: the same drafts as eager cycles, and plain decoding's output."""
+    from specdec.drafters.ngram import NgramDrafter
+
+    drafts, outputs = [], []
+    for compile in (False, True):
+        engine = TorchEngine(model, batch=2, max_seq_len=64, k_max=K, hidden_layers=head.cfg.taps, compile=compile)
+        cycle = cycles(engine, head, fused=True)
+        cycle.start(PROMPTS, StopCondition(12))
+        drafts.append([cycle.step().draft_tokens.tolist() for _ in range(4)])
+        plain = run_cycles(HostCycle(engine, None, 0, SamplingParams()), PROMPTS, 0, StopCondition(16)).tokens
+        ngram = FusedCycle(engine, NgramDrafter().device_draft_fn("torch", K), K)
+        outputs.append([run_cycles(c, PROMPTS, K, StopCondition(16)).tokens for c in (cycles(engine, head, True), ngram)])
+        assert outputs[-1] == [plain, plain]
+    assert drafts[1] == drafts[0]
+    assert outputs[1] == outputs[0]
+
+
 def test_drafts_agree_across_engines_and_cycles(model, head, random_checkpoints):
     """Host and fused cycles of both engines draft the same tokens from the same start (fp32)."""
     drafts = []
