@@ -630,14 +630,17 @@ class GemmaModel(nn.Module):
         per_layer = self._per_layer_inputs(tokens, x) if cfg.has_per_layer_inputs else None
         ctx = self._context(positions, cache, commit_first)
         shared_kv: dict = {}
-        taps = {}
+        # Taps by position, compared one by one: once calls have tapped different layers, torch.compile's
+        # automatic dynamic shapes make the indices symbolic, and a dict keyed by them would miss.
+        taps = [None] * len(hidden_layers)
         for i, layer in enumerate(self.layers):
             x = layer(x, per_layer[:, :, i] if per_layer is not None else None, ctx, cache, shared_kv)
-            if i in hidden_layers:
-                taps[i] = x
+            for n, tapped in enumerate(hidden_layers):
+                if tapped == i:
+                    taps[n] = x
         if not commit_first:
             self._commit(ctx, cache)
-        hidden = torch.stack([taps[i] for i in hidden_layers], dim=2) if hidden_layers else None
+        hidden = torch.stack(taps, dim=2) if hidden_layers else None
         x = self.norm(x[:, -1:] if last_only else x)
         head = self.lm_head.weight if not cfg.tie_word_embeddings else self.embed_tokens.weight
         logits = F.linear(x, head)
