@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,25 +24,13 @@ import torch
 from specdec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, engine_taps, load_head, random_head
 from specdec.drafters.ngram import NgramDrafter
 from specdec.evidence import git_commit, now_utc
-from specdec.generate import StopCondition
 from specdec.models.config import GemmaConfig
 from specdec.models.torch_gemma import GemmaModel
 from specdec.sampling import SamplingParams
 from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def wall_ms(cycle: FusedCycle, reps: int) -> float:
-    """Median ms of cycle.step(): replay and the host's read of the result, as decoding runs it."""
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        cycle.step()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_drafter_cycles import log, time_cycles  # noqa: E402
 
 
 def gpu_ms(replay, reps: int) -> float:
@@ -114,22 +101,19 @@ def main() -> None:
         log(f"{name}: capturing")
         cycle = make()
         engine = cycle.verifier
-        cycle.start([prompt], StopCondition(10**6))
-        for _ in range(3):
-            cycle.step()
+        wall = time_cycles(cycle, prompt, args.reps) * 1e3  # replay and the host's read, as decoding runs it
         graph = cycle._graph[0]
-        wall = wall_ms(cycle, args.reps)
         gpu = gpu_ms(graph.replay, args.reps)
-        ks = kernels(graph.replay, 20)
-        # the verify forward alone, at the same width (its own graph over the same cache)
-        engine.verify(torch.zeros(1, args.k + 1 if name != "plain" else 1, dtype=torch.long, device=device))
+        cycle_kernels = kernels(graph.replay, 20)
+        # the verify forward alone: every decode forward runs at the engine's one width (its own graph)
+        engine.verify(torch.zeros(1, 1, dtype=torch.long, device=device))
         verify_graph = engine._graphs[engine.width][0]
         verify = gpu_ms(verify_graph.replay, args.reps)
         verify_kernels = kernels(verify_graph.replay, 20)
-        rows.append({"method": name, "k": 0 if name == "plain" else args.k, "cycle_wall_ms": wall, "cycle_gpu_ms": gpu,
-                     "verify_gpu_ms": verify, "kernels": ks, "verify_kernels": verify_kernels})
+        rows.append({"method": name, "k": cycle.k, "cycle_wall_ms": wall, "cycle_gpu_ms": gpu,
+                     "verify_gpu_ms": verify, "kernels": cycle_kernels, "verify_kernels": verify_kernels})
         log(f"{name}: wall {wall:.3f} ms, gpu {gpu:.3f} ms, verify {verify:.3f} ms, "
-            f"{ks['per_replay']:.0f} kernels ({ks['busy_ms']:.3f} ms busy)")
+            f"{cycle_kernels['per_replay']:.0f} kernels ({cycle_kernels['busy_ms']:.3f} ms busy)")
         del cycle
     record = {"benchmark": "profile_cycle", "date": now_utc(), "commit": git_commit(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(dtype),
