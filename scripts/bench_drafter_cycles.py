@@ -8,9 +8,8 @@ verifies (per-width forwards, T = 1..16, and the invariant width every decode fo
     python scripts/bench_drafter_cycles.py --out docs/results/drafter-cycles-h200.json --plot docs/results/drafter-cycles-h200.png
     python scripts/bench_drafter_cycles.py --tiny          # CPU smoke test at toy shapes
 
-Shapes (assumed, not read from released checkpoints; see docs/benchmarks.md): the 31B as in
-scripts/bench_jax_decode.py; the E4B as the issue describes it (42 layers, per-layer inputs, KV sharing) with
-Gemma 3n-style widths; the assistant as transformers' Gemma4AssistantConfig describes one (a few query-only
+Shapes (assumed, not read from released checkpoints; see docs/benchmarks.md): the 31B and the E4B as in
+scripts/bench_roofline.py; the assistant as transformers' Gemma4AssistantConfig describes one (a few query-only
 layers over the target's KV, a centroid-masked head of 2048 centroids, top 32).
 """
 
@@ -35,18 +34,7 @@ from specdec.models.torch_gemma import GemmaModel
 from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_jax_decode import GEMMA4_31B, GEMMA4_TINY  # noqa: E402
-
-GEMMA4_E4B = dict(
-    model_type="gemma4_text", vocab_size=262144, hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
-    sliding_window_pattern=6, num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512,
-    sliding_window=512, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, num_kv_shared_layers=18,
-    final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-)
-E4B_TINY = dict(GEMMA4_E4B, vocab_size=1024, vocab_size_per_layer_input=1024, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=8, num_attention_heads=4, head_dim=32, global_head_dim=64, hidden_size_per_layer_input=8,
-                num_kv_shared_layers=2, sliding_window=16)
-
+from bench_roofline import E4B_TINY, GEMMA4_31B, GEMMA4_E4B, GEMMA4_TINY  # noqa: E402
 
 def assistant_config(target: dict, tiny: bool) -> dict:
     """An assistant for `target`: query heads over the target's KV heads, its head dims, 4 layers."""

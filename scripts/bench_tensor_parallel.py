@@ -35,7 +35,7 @@ from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_drafter_cycles import time_cycles  # noqa: E402
-from bench_jax_decode import GEMMA4_31B, GEMMA4_TINY  # noqa: E402
+from bench_roofline import GEMMA4_31B, GEMMA4_TINY  # noqa: E402
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:

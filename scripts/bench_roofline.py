@@ -1,0 +1,283 @@
+"""Plain decoding against the memory roofline, both engines, at the shapes issue 11 names (batch 1).
+
+    python scripts/bench_roofline.py --out roofline.json --plot roofline.png [--models 270m,31b,e4b] [--engines torch,jax]
+    python scripts/bench_roofline.py --config-270m DIR/config.json ...   # the 270M at random weights (no checkpoint)
+    python scripts/bench_roofline.py --tiny --out /tmp/r.json             # CPU smoke test, toy shapes
+    python scripts/bench_roofline.py --replot roofline.json --plot roofline.png
+
+Per engine and model: the plain decode step as `specdec generate` runs it (the fused plain cycle: one CUDA graph
+replay of the torch.compile'd forward per token in torch, 8 steps per compiled call in JAX; invariant forwards,
+so every step is the engine's one decode width), its seconds per token over `--steps` tokens after warm-up, and
+the roofline: the device's copy bandwidth over the bytes one step must read, i.e. every weight (one row of a
+table that is only looked up: untied embeddings, per-layer inputs) and every allocated KV slot. Bytes are counted
+from the config, the same for both engines. Each (engine, model) runs in a process of its own, so a 31B's
+weights are held once and JAX's allocator does not meet torch's.
+
+Random weights cost what real ones do (shapes, not values, set the time). Shapes of the 31B and E4B are
+assumed (no released configs could be read here; docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+K_MAX = 8
+CONTEXT = 1024  # cache positions: a 128-token prompt and the decoded tokens fit
+
+# Gemma 4 31B as we understand its config: 60 layers, every 6th full attention; sliding layers 32 query / 16 KV
+# heads of 256; full layers k_eq_v with 4 KV heads of 512.
+GEMMA4_31B = dict(
+    model_type="gemma4_text", vocab_size=262144, hidden_size=5376, intermediate_size=21504,
+    num_hidden_layers=60, sliding_window_pattern=6, num_attention_heads=32, num_key_value_heads=16,
+    head_dim=256, global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True,
+    sliding_window=1024, final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    hidden_size_per_layer_input=0,
+)
+GEMMA4_TINY = dict(
+    GEMMA4_31B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
+    sliding_window=16,
+)
+# E4B as issue 10 describes it (42 layers, per-layer inputs, KV sharing) with Gemma 3n E4B-style widths.
+GEMMA4_E4B = dict(
+    model_type="gemma4_text", vocab_size=262144, hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
+    sliding_window_pattern=6, num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512,
+    sliding_window=512, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, num_kv_shared_layers=18,
+    final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+)
+E4B_TINY = dict(GEMMA4_E4B, vocab_size=1024, vocab_size_per_layer_input=1024, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=8, num_attention_heads=4, head_dim=32, global_head_dim=64, hidden_size_per_layer_input=8,
+                num_kv_shared_layers=2, sliding_window=16)
+GEMMA3_TINY = dict(model_type="gemma3_text", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
+                   tie_word_embeddings=True)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def model_config(name: str, args) -> dict:
+    """The raw config of a model name (the 270M's from --config-270m or the imported checkpoint)."""
+    if args.tiny:
+        return {"270m": GEMMA3_TINY, "31b": GEMMA4_TINY, "e4b": E4B_TINY}[name]
+    if name == "270m":
+        return json.loads(Path(args.config_270m or (checkpoint_270m() / "config.json")).read_text())
+    return {"31b": GEMMA4_31B, "e4b": GEMMA4_E4B}[name]
+
+
+def checkpoint_270m() -> Path:
+    from specdec.models.gguf_import import default_checkpoint
+
+    return default_checkpoint()
+
+
+def step_bytes(cfg, itemsize: int) -> dict[str, int]:
+    """What one batch-1 decode step reads: every weight (a single row of a table that is only looked up) and
+    every allocated KV slot of an engine of CONTEXT positions and K_MAX."""
+    from specdec.models.checkpoint import expected_shapes
+
+    lookup_only = {"embed_tokens_per_layer.weight"} | ({"embed_tokens.weight"} if not cfg.tie_word_embeddings else set())
+    weights = sum(math.prod(shape[1:] if name in lookup_only else shape) for name, shape in expected_shapes(cfg).items())
+    kv = sum(math.prod(shape) * (2 if with_values else 1)
+             for shape, with_values in filter(None, cfg.kv_cache_shapes(1, CONTEXT, K_MAX)))
+    return {"weights": weights * itemsize, "kv_cache": kv * itemsize, "total": (weights + kv) * itemsize}
+
+
+def seconds_per_step(cycle, prompt: list[int], steps: int, warm_up: int) -> float:
+    """Wall seconds per plain decode step of a cycle (one token each), over `steps` after `warm_up` (a JAX
+    cycle runs 8 steps per call, so a step's own time is the mean over many)."""
+    from specdec.generate import StopCondition
+
+    cycle.start([prompt], StopCondition(10**6))
+    for _ in range(warm_up):
+        cycle.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        cycle.step()
+    return (time.perf_counter() - start) / steps
+
+
+def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args) -> dict:
+    import torch
+
+    from specdec.models.torch_gemma import GemmaModel
+    from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if checkpoint:
+        model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=CONTEXT)
+    else:
+        model = GemmaModel.random(cfg, dtype, device, CONTEXT)
+    engine = TorchEngine(model, max_seq_len=CONTEXT, k_max=K_MAX, compile=cuda)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        seconds_per_step(FusedCycle(engine, None, 0), prompt, 8, 3)
+        log(f"  compiled and captured in {time.perf_counter() - start:.1f} s")
+        step = seconds_per_step(FusedCycle(engine, None, 0), prompt, args.steps, 3)
+    bandwidth = 0.0
+    if cuda:
+        x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        y.copy_(x)
+        begin.record()
+        for _ in range(10):
+            y.copy_(x)
+        end.record()
+        torch.cuda.synchronize()
+        bandwidth = 2 * x.numel() * 10 / (begin.elapsed_time(end) / 1e3)
+    return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": dtype.itemsize,
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "version": torch.__version__}
+
+
+def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specdec import compile_cache
+    from specdec.models.jax_gemma import load_params, random_params
+    from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
+
+    compile_cache.enable_jax()
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" and not args.tiny else jnp.float32
+    if checkpoint:
+        cfg, params = load_params(checkpoint, dtype)
+    else:
+        params = random_params(cfg, jax.random.key(0), dtype)
+    engine = JaxEngine(cfg, params, max_seq_len=CONTEXT, k_max=K_MAX)
+    start = time.perf_counter()
+    seconds_per_step(JaxFusedCycle(engine, None, 0), prompt, 16, 16)
+    log(f"  compiled in {time.perf_counter() - start:.1f} s")
+    step = seconds_per_step(JaxFusedCycle(engine, None, 0), prompt, args.steps, 16)
+    bandwidth = 0.0
+    if jax.default_backend() == "gpu":
+        x = jnp.zeros(1 << 29, jnp.float32)
+        copy = jax.jit(lambda a: a + 1)
+        copy(x).block_until_ready()
+        times = []
+        for _ in range(10):
+            begin = time.perf_counter()
+            copy(x).block_until_ready()
+            times.append(time.perf_counter() - begin)
+        bandwidth = 2 * x.nbytes / float(np.median(times))
+    device = jax.devices()[0]
+    return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": jnp.dtype(dtype).itemsize,
+            "device": device.device_kind, "version": jax.__version__}
+
+
+def child(engine: str, name: str, args) -> dict:
+    """One (engine, model) measurement, in this process."""
+    import numpy as np
+
+    from specdec.models.config import GemmaConfig
+
+    raw = model_config(name, args)
+    cfg = GemmaConfig.from_dict(raw)
+    checkpoint = checkpoint_270m() if name == "270m" and not (args.tiny or args.config_270m) else None
+    prompt = [cfg.bos_token_id] + np.random.default_rng(0).integers(3, cfg.vocab_size, 127).tolist()
+    log(f"{engine} {name}: {cfg.num_layers} layers, {'checkpoint ' + str(checkpoint) if checkpoint else 'random weights'}")
+    result = (measure_torch if engine == "torch" else measure_jax)(cfg, checkpoint, prompt, args)
+    return dict(result, engine=engine, model=name, bytes_per_step=step_bytes(cfg, result["itemsize"]))
+
+
+def run_all(args) -> dict:
+    """Every (engine, model) in a child process; the record is rewritten after each (a run cut short keeps what
+    it measured)."""
+    rows: list[dict] = []
+    for name in args.models.split(","):
+        for engine in args.engines.split(","):
+            command = [sys.executable, __file__, "--child", f"{engine}:{name}", "--steps", str(args.steps)]
+            command += ["--tiny"] * args.tiny + (["--config-270m", str(args.config_270m)] if args.config_270m else [])
+            env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")  # a 31B's weights are 77% of an H100
+            done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                log(f"{engine} {name}: failed (exit {done.returncode})")
+                continue
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            args.out.write_text(json.dumps(summarise(rows, args), indent=1))
+    return summarise(rows, args)
+
+
+def summarise(rows: list[dict], args) -> dict:
+    bandwidth = max((r["copy_bandwidth"] for r in rows), default=0.0)  # the device's, at its best measurement
+    for r in rows:
+        r["roofline_tok_s"] = bandwidth / r["bytes_per_step"]["total"] if bandwidth else None
+        r["tok_s"] = 1 / r["step_s"]
+        r["fraction_of_roofline"] = r["tok_s"] / r["roofline_tok_s"] if bandwidth else None
+    from specdec.evidence import git_commit
+
+    return {"benchmark": "roofline", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "device": rows[0]["device"] if rows else None, "copy_bandwidth": bandwidth,
+            "context": CONTEXT, "k_max": K_MAX, "steps": args.steps, "rows": rows}
+
+
+def table(record: dict) -> str:
+    lines = [f"{record['device']}: copy bandwidth {record['copy_bandwidth'] / 1e9:.0f} GB/s, batch 1, invariant width",
+             f"{'model':<6} {'engine':<6} {'GB/step':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} {'fraction':>9} {'jax/torch':>10}"]
+    steps = {(r["model"], r["engine"]): r["step_s"] for r in record["rows"]}
+    for r in record["rows"]:
+        ratio = steps.get((r["model"], "jax"), math.nan) / steps.get((r["model"], "torch"), math.nan)
+        roof, frac = r["roofline_tok_s"], r["fraction_of_roofline"]
+        lines.append(f"{r['model']:<6} {r['engine']:<6} {r['bytes_per_step']['total'] / 1e9:>8.3f} {r['step_s'] * 1e3:>8.3f}"
+                     f" {r['tok_s']:>8.1f} {roof or math.nan:>9.1f} {frac or math.nan:>9.2f} {ratio:>10.2f}")
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in record["rows"]))
+    engines = list(dict.fromkeys(r["engine"] for r in record["rows"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(len(engines), 1)
+    for i, engine in enumerate(engines):
+        fractions = [next((r["fraction_of_roofline"] or 0 for r in record["rows"] if r["model"] == m and r["engine"] == engine), 0)
+                     for m in models]
+        bars = ax.bar([j + i * width for j in range(len(models))], fractions, width, label=engine)
+        ax.bar_label(bars, fmt="%.2f")
+    ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(models))], models)
+    ax.axhline(1.0, color="gray", ls="--")
+    ax.set(ylabel="plain decode / roofline", title=f"fraction of the memory roofline, {record['device']}, batch 1")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("roofline.json"))
+    parser.add_argument("--plot", type=Path)
+    parser.add_argument("--models", default="270m,31b,e4b", help="comma-separated: 270m, 31b, e4b")
+    parser.add_argument("--engines", default="torch,jax", help="comma-separated: torch, jax")
+    parser.add_argument("--config-270m", type=Path, help="the 270M's config.json: random weights at its shapes")
+    parser.add_argument("--steps", type=int, default=128, help="decode steps timed per (engine, model)")
+    parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke test)")
+    parser.add_argument("--replot", type=Path, help="draw --plot from a results file and exit")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        engine, name = args.child.split(":")
+        print(json.dumps(child(engine, name, args)))
+        return
+    record = json.loads(args.replot.read_text()) if args.replot else run_all(args)
+    print(table(record))
+    if args.plot:
+        plot(record, args.plot)
+
+
+if __name__ == "__main__":
+    main()
