@@ -490,6 +490,7 @@ class GemmaModel(nn.Module):
             model = cls(cfg, max_seq_len, tp_group)
         model.load_state_dict(tensors, strict=True, assign=True)
         model._build_rope_tables()  # non-persistent buffers are rebuilt off the meta device
+        del tensors  # packing frees each separate weight only once nothing else holds it (else: twice the memory)
         return model.to(device).eval().pack_projections()
 
     @classmethod
@@ -517,6 +518,7 @@ class GemmaModel(nn.Module):
                 whole = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, shape[-1] ** -0.5, generator=gen)
                 tensors[name].copy_(whole[shard_index(cfg, name, shape, shard)])
         model._build_rope_tables()
+        del tensors, whole  # as in from_checkpoint: packing must be the weights' last holder
         return model.to(device).eval().pack_projections()
 
     def pack_projections(self) -> "GemmaModel":
