@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -57,6 +56,7 @@ def load(
     invariant: bool = True,
     compile: bool = False,
     tensor_parallel: int = 1,
+    tokenizer_in_child: bool = False,
 ) -> Target:
     """Load a target for generation. Defaults: the embedded Gemma 3 270M, the PyTorch engine, CUDA in
     bf16 when there is a GPU, else CPU in fp32, row-invariant forwards (greedy speculative output is the
@@ -71,20 +71,22 @@ def load(
     `tensor_parallel` > 1 splits the attention heads and MLP columns over that many devices. JAX: a mesh of
     this process's first devices. PyTorch: one process per device over torch.distributed, each of which calls
     load (launch with `torchrun --nproc-per-node N` and join its group with init_distributed first); every
-    process then runs the same generation and gets the same tokens."""
+    process then runs the same generation and gets the same tokens.
+
+    `tokenizer_in_child`, for one-off generations: the tokenizer is parsed in a child process while this one
+    loads the engine, which takes its parse (about 1.4 s for Gemma's, holding the GIL) off the cold start; each
+    encode and decode is then a round trip to that process, so servers and benchmarks keep it in this one."""
     if engine not in ENGINES:
         raise SpecdecError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     if k_max < 0:
         raise SpecdecError(f"k_max must be >= 0, got {k_max}")
     path = resolve_checkpoint(target)
     start = time.perf_counter()
-    # The tokenizer loads beside the engine. Its parse holds the GIL (tokenizers 0.23, docs/benchmarks.md), so
-    # this overlaps only the engine's work that runs without it: file reads, transfers, CUDA start-up.
-    with ThreadPoolExecutor(1) as pool:
-        tokenizer_future = pool.submit(Tokenizer.from_dir, path)
-        verifier, cfg = _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers,
-                                     invariant, compile, tensor_parallel)
-        tokenizer = tokenizer_future.result()
+    # First, so that a missing tokenizer fails fast. In a thread beside the engine's load its parse would overlap
+    # nothing (it holds the GIL: docs/benchmarks.md); in a child process it does.
+    tokenizer = Tokenizer.from_dir(path, in_child=tokenizer_in_child)
+    verifier, cfg = _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant,
+                                 compile, tensor_parallel)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise SpecdecError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {cfg.vocab_size}")
     return Target(path, cfg, tokenizer, verifier, engine, time.perf_counter() - start)
@@ -335,7 +337,8 @@ def generate(
     apart."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not isinstance(target, Target):
-        target = load(target, batch=len(prompts), k_max=max(k, 0), hidden_layers=drafter_taps(drafter, target))
+        target = load(target, batch=len(prompts), k_max=max(k, 0), hidden_layers=drafter_taps(drafter, target),
+                      tokenizer_in_child=True)
     tok = target.tokenizer
     if chat:
         if not tok.has_chat_template:

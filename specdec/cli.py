@@ -94,7 +94,7 @@ def generate(
 
     loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=max(k, 1), max_seq_len=max_seq_len,
                           invariant=invariant, compile=compile, hidden_layers=drafter_taps(drafter, target),
-                          tensor_parallel=tensor_parallel)
+                          tensor_parallel=tensor_parallel, tokenizer_in_child=True)
     out = sys.stdout if rank == 0 else io.StringIO()
     out.write(prompt)
     out.flush()

@@ -1,6 +1,7 @@
 """Tokenizer: tiny hand-made tokenizers (fast), and the real Gemma 3 tokenizer converted from its GGUF against
 transformers' GGUF tokenizer (slow)."""
 
+import gc
 import json
 
 import pytest
@@ -116,6 +117,39 @@ def test_sandbox_blocks_unsafe_template(tmp_path):
         tok.apply_chat_template([])
 
 
+def test_child_process_tokenizer_answers_as_the_in_process_one(tmp_path):
+    directory = write_byte_tokenizer(tmp_path / "t", {"chat_template": TEMPLATE})
+    here, child = Tokenizer.from_dir(directory), Tokenizer.from_dir(directory, in_child=True)
+    text = "a\u00e9a\u65e5\U0001f600a<eos>"
+    assert (child.vocab_size, child.bos_id, child.eos_ids) == (here.vocab_size, here.bos_id, here.eos_ids)
+    assert child.encode(text) == here.encode(text) and child.encode(text, add_bos=False) == here.encode(text, add_bos=False)
+    ids = here.encode(text)
+    assert child.decode(ids) == here.decode(ids) and child.decode(ids, skip_special_tokens=True) == here.decode(ids, True)
+    stream = child.stream_decoder()
+    assert "".join([stream.push([i]) for i in ids] + [stream.flush()]) == "<bos>" + text
+    assert child.apply_chat_template([{"role": "user", "content": "x"}]) == here.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_child_process_tokenizer_errors_and_exit(tmp_path):
+    directory = tmp_path / "bad"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text("{not json")
+    with pytest.raises(SpecdecError, match="unreadable tokenizer"):
+        Tokenizer.from_dir(directory)
+    bad = Tokenizer.from_dir(directory, in_child=True)  # the child parses while this process goes on
+    with pytest.raises(SpecdecError, match=r"tokenizer.json: unreadable tokenizer"):
+        bad.vocab_size
+    process = bad._backend._process
+    del bad
+    gc.collect()
+    assert process.wait(timeout=10) == 0  # its input closed, the child's loop ended
+    good = Tokenizer.from_dir(write_byte_tokenizer(tmp_path / "t"), in_child=True)
+    good._backend._process.kill()
+    good._backend._process.wait()
+    with pytest.raises(SpecdecError, match="process exited"):
+        good.encode("a")
+
+
 # --- slow: the real Gemma 3 tokenizer ----------------------------------------------------------------
 
 SAMPLES = [
@@ -182,6 +216,15 @@ def test_real_tokenizer_specials(ours):
     assert ours.encode("<bos>hi").count(2) == 1
     assert ours.encode("<end_of_turn>", add_bos=False) == [106]
     assert not ours.has_chat_template  # the bundled model is the base model
+
+
+@pytest.mark.slow
+def test_real_tokenizer_in_a_child_process(ours, checkpoint_dir):
+    child = Tokenizer.from_dir(checkpoint_dir, in_child=True)
+    assert (child.vocab_size, child.bos_id, child.eos_ids) == (ours.vocab_size, ours.bos_id, ours.eos_ids)
+    for text in SAMPLES:
+        ids = ours.encode(text)
+        assert child.encode(text) == ids and child.decode(ids) == ours.decode(ids), text
 
 
 @pytest.mark.slow
