@@ -127,15 +127,16 @@ class ChildBackend:
     """The `tokenizers` calls Tokenizer makes (get_vocab_size, encode, decode, token_to_id), answered by a child
     process that parses tokenizer.json. The parse holds the GIL (1.4 s for Gemma's 262,144 pieces and 514,906
     merges on a CPU core), so in a thread it overlaps nothing this process does in Python; in a process it runs
-    on another core while the engine loads. Each call is one JSON line each way (tens of microseconds): right
-    for a short command's prompt and streamed text, not for a server's traffic. The child exits when this
+    on another core while the engine loads. Each call is one JSON line each way (about 0.1 ms): right for a
+    short command's prompt and streamed text, not for a server's traffic. The child exits when this
     process closes its input, or dies."""
 
     def __init__(self, tokenizer_file: Path):
         self._file = tokenizer_file
-        self._process = subprocess.Popen([sys.executable, "-m", "specdec.models.tokenizer_child", str(tokenizer_file)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                         text=True, encoding="utf-8")
+        # Run as a script, not a module of the package: the child imports tokenizers alone, whatever the path.
+        child = Path(__file__).with_name("tokenizer_child.py")
+        self._process = subprocess.Popen([sys.executable, str(child), str(tokenizer_file)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, encoding="utf-8")
         self._lock = threading.Lock()
         weakref.finalize(self, _stop_child, self._process)
 

@@ -17,7 +17,7 @@ def serve(tokenizer_file: str) -> None:
         "get_vocab_size": lambda with_added: tokenizer.get_vocab_size(with_added_tokens=with_added),
         "encode": lambda text, special: tokenizer.encode(text, add_special_tokens=special).ids,
         "decode": lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
-        "token_to_id": tokenizer.token_to_id if tokenizer else None,
+        "token_to_id": lambda token: tokenizer.token_to_id(token),
     }
     for line in sys.stdin:
         method, *args = json.loads(line)
