@@ -40,7 +40,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: _BackendTokenizer,
+        backend: _BackendTokenizer | ChildBackend,
         config: dict[str, Any],
         eos_ids: Sequence[int] | None = None,
         chat_template: str | None = None,
@@ -72,10 +72,12 @@ class Tokenizer:
         if in_child:
             backend = ChildBackend(tokenizer_file)
         else:
+            from specdec.models.tokenizer_child import parse
+
             try:
-                backend = _BackendTokenizer.from_file(str(tokenizer_file))
-            except Exception as e:  # tokenizers raises a bare Exception on malformed files
-                raise SpecdecError(f"{tokenizer_file}: unreadable tokenizer ({e})") from None
+                backend = parse(str(tokenizer_file))
+            except ValueError as e:
+                raise SpecdecError(f"{tokenizer_file}: {e}") from None
         config = _read_json(directory / "tokenizer_config.json") or {}
         template_file = directory / "chat_template.jinja"
         template = template_file.read_text(encoding="utf-8") if template_file.is_file() else _pick_template(config.get("chat_template"))

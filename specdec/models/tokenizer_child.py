@@ -8,11 +8,19 @@ import sys
 from tokenizers import Tokenizer
 
 
+def parse(tokenizer_file: str) -> Tokenizer:
+    """The file's tokenizer; ValueError with the reason when it is malformed (also specdec's in-process parse)."""
+    try:
+        return Tokenizer.from_file(tokenizer_file)
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise ValueError(f"unreadable tokenizer ({e})") from None
+
+
 def serve(tokenizer_file: str) -> None:
     try:
-        tokenizer, failure = Tokenizer.from_file(tokenizer_file), None
-    except Exception as e:  # tokenizers raises a bare Exception on malformed files
-        tokenizer, failure = None, f"unreadable tokenizer ({e})"
+        tokenizer, failure = parse(tokenizer_file), None
+    except ValueError as e:
+        tokenizer, failure = None, str(e)
     calls = {
         "get_vocab_size": lambda with_added: tokenizer.get_vocab_size(with_added_tokens=with_added),
         "encode": lambda text, special: tokenizer.encode(text, add_special_tokens=special).ids,
