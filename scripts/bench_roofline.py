@@ -2,8 +2,9 @@
 
     python scripts/bench_roofline.py --out roofline.json --plot roofline.png [--models 270m,31b,e4b] [--engines torch,jax]
     python scripts/bench_roofline.py --config-270m DIR/config.json ...   # the 270M at random weights (no checkpoint)
+    python scripts/bench_roofline.py --models 31b --tensor-parallel 1,2 ...  # the 31B on 1 and 2 devices
     python scripts/bench_roofline.py --tiny --out /tmp/r.json             # CPU smoke test, toy shapes
-    python scripts/bench_roofline.py --replot roofline.json --plot roofline.png
+    python scripts/bench_roofline.py --replot a.json b.json --plot roofline.png   # tables and plots of runs
 
 Per engine and model: the plain decode step as `specdec generate` runs it (the fused plain cycle: one CUDA graph
 replay of the torch.compile'd forward per token in torch, 8 steps per compiled call in JAX; invariant forwards,
@@ -15,6 +16,11 @@ weights are held once and JAX's allocator does not meet torch's.
 
 Random weights cost what real ones do (shapes, not values, set the time). Shapes of the 31B and E4B are
 assumed (no released configs could be read here; docs/benchmarks.md).
+
+Tensor parallel over N devices (`--tensor-parallel 1,2`): torch runs one process per device under torchrun (NCCL;
+gloo on the CPU), JAX one process over a mesh of N devices. The roofline is then N devices' bandwidth over the
+same bytes, and every row keeps the greedy tokens it decoded, so the table says whether N devices decode what
+one does.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ GEMMA4_31B = dict(
 )
 GEMMA4_TINY = dict(
     GEMMA4_31B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64, num_global_key_value_heads=2,
     sliding_window=16,
 )
 # E4B as issue 10 describes it (42 layers, per-layer inputs, KV sharing) with Gemma 3n E4B-style widths.
@@ -106,7 +112,15 @@ def seconds_per_step(cycle, prompt: list[int], steps: int, warm_up: int) -> floa
     return (time.perf_counter() - start) / steps
 
 
-def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args) -> dict:
+def greedy_tokens(cycle, prompt: list[int], count: int) -> list[int]:
+    """The first `count` tokens a plain greedy decode emits (compared across device counts)."""
+    from specdec.generate import StopCondition, run_cycles
+
+    return [int(t) for t in run_cycles(cycle, [prompt], 0, StopCondition(count)).tokens[0]]
+
+
+def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) -> dict | None:
+    """None on the ranks past the first of a tensor-parallel run (the first reports)."""
     import torch
 
     from specdec.models.torch_gemma import GemmaModel
@@ -114,19 +128,29 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args) -> dict
 
     cuda = torch.cuda.is_available() and not args.tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    group, rank = None, 0
+    if tp > 1:
+        import torch.distributed as dist
+
+        if cuda:
+            device = f"cuda:{os.environ['LOCAL_RANK']}"
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+        group, rank = dist.group.WORLD, dist.get_rank()
     if checkpoint:
-        model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=CONTEXT)
+        model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=CONTEXT, tp_group=group)
     else:
-        model = GemmaModel.random(cfg, dtype, device, CONTEXT)
-    engine = TorchEngine(model, max_seq_len=CONTEXT, k_max=K_MAX, compile=cuda)
+        model = GemmaModel.random(cfg, dtype, device, CONTEXT, tp_group=group)
+    engine = TorchEngine(model, max_seq_len=CONTEXT, k_max=K_MAX, compile=cuda and args.torch_compile)
     with torch.inference_mode():
         start = time.perf_counter()
         seconds_per_step(FusedCycle(engine, None, 0), prompt, 8, 3)
         log(f"  compiled and captured in {time.perf_counter() - start:.1f} s")
         step = seconds_per_step(FusedCycle(engine, None, 0), prompt, args.steps, 3)
+        tokens = greedy_tokens(FusedCycle(engine, None, 0), prompt, args.tokens)
     bandwidth = 0.0
     if cuda:
-        x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+        x = torch.empty(2 << 30, dtype=torch.uint8, device=device)
         y = torch.empty_like(x)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         y.copy_(x)
@@ -136,17 +160,22 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args) -> dict
         end.record()
         torch.cuda.synchronize()
         bandwidth = 2 * x.numel() * 10 / (begin.elapsed_time(end) / 1e3)
+    if tp > 1:
+        torch.distributed.destroy_process_group()
+    if rank > 0:
+        return None
     return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": dtype.itemsize,
-            "device": torch.cuda.get_device_name() if cuda else "cpu", "version": torch.__version__}
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "version": torch.__version__,
+            "compiled": cuda and args.torch_compile, "tokens": tokens}
 
 
-def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args) -> dict:
+def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) -> dict:
     import jax
     import jax.numpy as jnp
 
     from specdec import compile_cache
     from specdec.models.jax_gemma import load_params, random_params
-    from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
+    from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle, make_mesh
 
     compile_cache.enable_jax()
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" and not args.tiny else jnp.float32
@@ -154,11 +183,13 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args) -> dict:
         cfg, params = load_params(checkpoint, dtype)
     else:
         params = random_params(cfg, jax.random.key(0), dtype)
-    engine = JaxEngine(cfg, params, max_seq_len=CONTEXT, k_max=K_MAX)
+    engine = JaxEngine(cfg, params, max_seq_len=CONTEXT, k_max=K_MAX, mesh=make_mesh(tp) if tp > 1 else None)
+    del params  # a mesh's shards are copies: one model's weights held, not two
     start = time.perf_counter()
     seconds_per_step(JaxFusedCycle(engine, None, 0), prompt, 16, 16)
     log(f"  compiled in {time.perf_counter() - start:.1f} s")
     step = seconds_per_step(JaxFusedCycle(engine, None, 0), prompt, args.steps, 16)
+    tokens = greedy_tokens(JaxFusedCycle(engine, None, 0), prompt, args.tokens)
     bandwidth = 0.0
     if jax.default_backend() == "gpu":
         x = jnp.zeros(1 << 29, jnp.float32)
@@ -171,11 +202,11 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args) -> dict:
         bandwidth = 2 * x.nbytes * 10 / (time.perf_counter() - begin)
     device = jax.devices()[0]
     return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": jnp.dtype(dtype).itemsize,
-            "device": device.device_kind, "version": jax.__version__}
+            "device": device.device_kind, "version": jax.__version__, "compiled": True, "tokens": tokens}
 
 
-def child(engine: str, name: str, args) -> dict:
-    """One (engine, model) measurement, in this process."""
+def child(engine: str, name: str, tp: int, args) -> dict | None:
+    """One (engine, model, device count) measurement, in this process (one rank's, under torchrun)."""
     import numpy as np
 
     from specdec.models.config import GemmaConfig
@@ -184,51 +215,90 @@ def child(engine: str, name: str, args) -> dict:
     cfg = GemmaConfig.from_dict(raw)
     checkpoint = checkpoint_270m() if name == "270m" and not (args.tiny or args.config_270m) else None
     prompt = [cfg.bos_token_id] + np.random.default_rng(0).integers(3, cfg.vocab_size, 127).tolist()
-    log(f"{engine} {name}: {cfg.num_layers} layers, {'checkpoint ' + str(checkpoint) if checkpoint else 'random weights'}")
-    result = (measure_torch if engine == "torch" else measure_jax)(cfg, checkpoint, prompt, args)
-    return dict(result, engine=engine, model=name, bytes_per_step=step_bytes(cfg, result["itemsize"]))
+    log(f"{engine} {name} on {tp} device(s): {cfg.num_layers} layers, "
+        f"{'checkpoint ' + str(checkpoint) if checkpoint else 'random weights'}")
+    result = (measure_torch if engine == "torch" else measure_jax)(cfg, checkpoint, prompt, args, tp)
+    if result is None:
+        return None
+    return dict(result, engine=engine, model=name, tensor_parallel=tp, bytes_per_step=step_bytes(cfg, result["itemsize"]))
+
+
+def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dict]:
+    """The command and environment of one measurement: torch over N devices is N processes under torchrun;
+    JAX over N devices is one process (N CPU devices made up for a --tiny run)."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")  # a 31B's weights are 77% of an H100
+    launcher = [sys.executable]
+    if engine == "torch" and tp > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(tp)]
+    elif engine == "jax" and tp > 1 and args.tiny:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={tp}".strip()
+    command = launcher + [__file__, "--child", f"{engine}:{name}:{tp}", "--steps", str(args.steps),
+                          "--tokens", str(args.tokens)]
+    command += ["--tiny"] * args.tiny + ["--no-torch-compile"] * (not args.torch_compile)
+    command += ["--config-270m", str(args.config_270m)] if args.config_270m else []
+    return command, env
 
 
 def run_all(args) -> dict:
-    """Every (engine, model) in a child process; the record is rewritten after each (a run cut short keeps what
-    it measured)."""
+    """Every (engine, model, device count) in a child process; the record is rewritten after each (a run cut
+    short keeps what it measured)."""
     rows: list[dict] = []
     for name in args.models.split(","):
         for engine in args.engines.split(","):
-            command = [sys.executable, __file__, "--child", f"{engine}:{name}", "--steps", str(args.steps)]
-            command += ["--tiny"] * args.tiny + (["--config-270m", str(args.config_270m)] if args.config_270m else [])
-            env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")  # a 31B's weights are 77% of an H100
-            done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
-            if done.returncode != 0:
-                log(f"{engine} {name}: failed (exit {done.returncode})")
-                continue
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            args.out.write_text(json.dumps(summarise(rows, args), indent=1))
-    return summarise(rows, args)
+            for tp in map(int, args.tensor_parallel.split(",")):
+                command, env = child_command(engine, name, tp, args)
+                done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
+                if done.returncode != 0:
+                    log(f"{engine} {name} on {tp} device(s): failed (exit {done.returncode})")
+                    continue
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                args.out.write_text(json.dumps(summarise(rows, args.steps), indent=1))
+    return summarise(rows, args.steps)
 
 
-def summarise(rows: list[dict], args) -> dict:
-    bandwidth = max((r["copy_bandwidth"] for r in rows), default=0.0)  # the device's, at its best measurement
+def summarise(rows: list[dict], steps: int) -> dict:
+    bandwidth = max((r["copy_bandwidth"] for r in rows), default=0.0)  # one device's, at its best measurement
     for r in rows:
-        r["roofline_tok_s"] = bandwidth / r["bytes_per_step"]["total"] if bandwidth else None
+        tp = r.get("tensor_parallel", 1)
+        r["roofline_tok_s"] = tp * bandwidth / r["bytes_per_step"]["total"] if bandwidth else None
         r["tok_s"] = 1 / r["step_s"]
         r["fraction_of_roofline"] = r["tok_s"] / r["roofline_tok_s"] if bandwidth else None
     from specdec.evidence import git_commit
 
     return {"benchmark": "roofline", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "device": rows[0]["device"] if rows else None, "copy_bandwidth": bandwidth,
-            "context": CONTEXT, "k_max": K_MAX, "steps": args.steps, "rows": rows}
+            "context": CONTEXT, "k_max": K_MAX, "steps": steps, "rows": rows}
+
+
+def merge(paths: list[Path]) -> dict:
+    """One record of several runs' rows (e.g. one device and two, run apart), their date and commit kept per row."""
+    records = [json.loads(p.read_text()) for p in paths]
+    rows = [dict(r, date=rec["date"], commit=rec["commit"]) for rec in records for r in rec["rows"]]
+    if len(records) == 1:
+        return records[0]
+    return dict(summarise(rows, records[0]["steps"]), date=records[-1]["date"], commit=records[-1]["commit"],
+                merged_from=[str(p) for p in paths])
 
 
 def table(record: dict) -> str:
-    lines = [f"{record['device']}: copy bandwidth {record['copy_bandwidth'] / 1e9:.0f} GB/s, batch 1, invariant width",
-             f"{'model':<6} {'engine':<6} {'GB/step':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} {'fraction':>9} {'jax/torch':>10}"]
-    steps = {(r["model"], r["engine"]): r["step_s"] for r in record["rows"]}
+    """Per row: the fraction of roofline, JAX's step over torch's (same model and devices), the speed-up over
+    the same engine on one device, and whether its greedy tokens are that run's."""
+    lines = [f"{record['device']}: copy bandwidth {record['copy_bandwidth'] / 1e9:.0f} GB/s per device, batch 1, "
+             "invariant width",
+             f"{'model':<6} {'engine':<6} {'devs':>4} {'GB/step':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} "
+             f"{'fraction':>9} {'jax/torch':>10} {'x 1 dev':>8} {'= 1 dev':>8}"]
+    by_key = {(r["model"], r["engine"], r.get("tensor_parallel", 1)): r for r in record["rows"]}
     for r in record["rows"]:
-        ratio = steps.get((r["model"], "jax"), math.nan) / steps.get((r["model"], "torch"), math.nan)
+        tp = r.get("tensor_parallel", 1)
+        torch_row, jax_row = by_key.get((r["model"], "torch", tp)), by_key.get((r["model"], "jax", tp))
+        ratio = jax_row["step_s"] / torch_row["step_s"] if torch_row and jax_row else math.nan
+        single = by_key.get((r["model"], r["engine"], 1))
+        speedup = single["step_s"] / r["step_s"] if single and tp > 1 else math.nan
+        same = "" if not single or tp == 1 or "tokens" not in r else str(r["tokens"] == single["tokens"])
         roof, frac = r["roofline_tok_s"], r["fraction_of_roofline"]
-        lines.append(f"{r['model']:<6} {r['engine']:<6} {r['bytes_per_step']['total'] / 1e9:>8.3f} {r['step_s'] * 1e3:>8.3f}"
-                     f" {r['tok_s']:>8.1f} {roof or math.nan:>9.1f} {frac or math.nan:>9.2f} {ratio:>10.2f}")
+        lines.append(f"{r['model']:<6} {r['engine']:<6} {tp:>4} {r['bytes_per_step']['total'] / 1e9:>8.3f} "
+                     f"{r['step_s'] * 1e3:>8.3f} {r['tok_s']:>8.1f} {roof or math.nan:>9.1f} {frac or math.nan:>9.2f} "
+                     f"{ratio:>10.2f} {speedup:>8.2f} {same:>8}")
     return "\n".join(lines)
 
 
@@ -238,18 +308,23 @@ def plot(record: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r["model"] for r in record["rows"]))
+    def group(r: dict) -> str:
+        tp = r.get("tensor_parallel", 1)
+        return r["model"] if tp == 1 else f"{r['model']} on {tp}"
+
+    groups = list(dict.fromkeys(map(group, record["rows"])))
     engines = list(dict.fromkeys(r["engine"] for r in record["rows"]))
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(len(engines), 1)
     for i, engine in enumerate(engines):
-        fractions = [next((r["fraction_of_roofline"] or 0 for r in record["rows"] if r["model"] == m and r["engine"] == engine), 0)
-                     for m in models]
-        bars = ax.bar([j + i * width for j in range(len(models))], fractions, width, label=engine)
+        fractions = [next((r["fraction_of_roofline"] or 0 for r in record["rows"] if group(r) == g and r["engine"] == engine), 0)
+                     for g in groups]
+        bars = ax.bar([j + i * width for j in range(len(groups))], fractions, width, label=engine)
         ax.bar_label(bars, fmt="%.2f")
-    ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(models))], models)
+    ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(groups))], groups)
     ax.axhline(1.0, color="gray", ls="--")
-    ax.set(ylabel="plain decode / roofline", title=f"fraction of the memory roofline, {record['device']}, batch 1")
+    ax.set(ylabel="plain decode / roofline", title=f"fraction of the memory roofline, {record['device']}, batch 1",
+           xlabel="model (on N devices: tensor parallel, against N devices' bandwidth)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -263,15 +338,21 @@ def main() -> None:
     parser.add_argument("--engines", default="torch,jax", help="comma-separated: torch, jax")
     parser.add_argument("--config-270m", type=Path, help="the 270M's config.json: random weights at its shapes")
     parser.add_argument("--steps", type=int, default=128, help="decode steps timed per (engine, model)")
+    parser.add_argument("--tensor-parallel", default="1", help="comma-separated device counts, e.g. 1,2")
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens kept per row (compared across devices)")
+    parser.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
+                        help="torch: CUDA graphs of the eager forward (no torch.compile)")
     parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke test)")
-    parser.add_argument("--replot", type=Path, help="draw --plot from a results file and exit")
+    parser.add_argument("--replot", type=Path, nargs="+", help="print and draw results files (merged) and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        engine, name = args.child.split(":")
-        print(json.dumps(child(engine, name, args)))
+        engine, name, tp = args.child.split(":")
+        result = child(engine, name, int(tp), args)
+        if result is not None:
+            print(json.dumps(result))
         return
-    record = json.loads(args.replot.read_text()) if args.replot else run_all(args)
+    record = merge(args.replot) if args.replot else run_all(args)
     print(table(record))
     if args.plot:
         plot(record, args.plot)
