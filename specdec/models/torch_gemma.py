@@ -101,11 +101,14 @@ def sum_across(x: torch.Tensor, group) -> torch.Tensor:
 
 def gather_across(x: torch.Tensor, group) -> torch.Tensor:
     """The devices' slices of the last dimension of `x`, concatenated in rank order (the logits of a
-    vocabulary-split LM head). A functional collective, as sum_across."""
+    vocabulary-split LM head). A functional collective, as sum_across. Gathered along the first dimension and
+    rearranged here: a gather along another dimension chunks and concatenates in a helper that torch.compile
+    refuses to trace (torch 2.11)."""
     from torch.distributed import _functional_collectives as collectives
 
     gather = getattr(collectives, "all_gather_single", None) or collectives.all_gather_tensor  # renamed in torch 2.13
-    return gather(x.contiguous(), x.dim() - 1, group)
+    stacked = gather(x.contiguous(), 0, group).view(-1, *x.shape)  # [devices, ...]
+    return stacked.movedim(0, -2).flatten(-2)
 
 
 def lookup(table: torch.Tensor, tokens: torch.Tensor, first_row: int | None, group) -> torch.Tensor:

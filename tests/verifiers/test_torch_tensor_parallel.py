@@ -148,6 +148,33 @@ def test_two_devices_decode_what_one_decodes(random_checkpoints, k_eq_v_checkpoi
         assert two["experts"] == [one["experts"][0] // 2, *one["experts"][1:]]
 
 
+GATHER_WORKER = textwrap.dedent("""
+    import sys
+    import torch, torch.distributed as dist
+    rank, port = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    from specdec.models.torch_gemma import gather_across
+
+    logits = torch.arange(24.0).view(2, 3, 4) + 100 * rank  # this device's slice of the vocabulary
+    whole = torch.cat([torch.arange(24.0).view(2, 3, 4) + 100 * r for r in range(2)], -1)
+    compiled = torch.compile(lambda x: gather_across(x * 1, dist.group.WORLD), fullgraph=True)
+    assert torch.equal(gather_across(logits, dist.group.WORLD), whole)
+    assert torch.equal(compiled(logits), whole)
+    dist.destroy_process_group()
+""")
+
+
+def test_logits_gather_compiles_in_one_graph():
+    """The vocabulary-split LM head's gather inside torch.compile (a CUDA engine compiles its forward): a gather
+    along the last dimension broke the graph on the GPU's torch."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", GATHER_WORKER, str(rank), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+
+
 def test_configurations_that_do_not_split_are_refused(random_checkpoints):
     dense = GemmaConfig.from_file(random_checkpoints["gemma4_dense"] / "config.json")
     with pytest.raises(SpecdecError, match=r"^a tensor-parallel mesh of 2 devices does not divide 1 KV heads of layer 2 \(\+1 more\)$"):
