@@ -280,13 +280,20 @@ def merge(paths: list[Path]) -> dict:
                 merged_from=[str(p) for p in paths])
 
 
+def first_difference(tokens: list[int], reference: list[int]) -> str:
+    index = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    return "yes" if index is None and len(tokens) == len(reference) else f"from {index if index is not None else min(len(tokens), len(reference))}"
+
+
 def table(record: dict) -> str:
     """Per row: the fraction of roofline, JAX's step over torch's (same model and devices), the speed-up over
-    the same engine on one device, and whether its greedy tokens are that run's."""
+    the same engine on one device, whether its greedy tokens are that run's ("from i": they differ from token
+    i on) and how many distinct tokens they hold (random weights at depth often repeat one token, which makes
+    the comparison weak)."""
     lines = [f"{record['device']}: copy bandwidth {record['copy_bandwidth'] / 1e9:.0f} GB/s per device, batch 1, "
              "invariant width",
              f"{'model':<6} {'engine':<6} {'devs':>4} {'GB/step':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} "
-             f"{'fraction':>9} {'jax/torch':>10} {'x 1 dev':>8} {'= 1 dev':>8}"]
+             f"{'fraction':>9} {'jax/torch':>10} {'x 1 dev':>8} {'= 1 dev':>8} {'distinct':>8}"]
     by_key = {(r["model"], r["engine"], r.get("tensor_parallel", 1)): r for r in record["rows"]}
     for r in record["rows"]:
         tp = r.get("tensor_parallel", 1)
@@ -294,11 +301,11 @@ def table(record: dict) -> str:
         ratio = jax_row["step_s"] / torch_row["step_s"] if torch_row and jax_row else math.nan
         single = by_key.get((r["model"], r["engine"], 1))
         speedup = single["step_s"] / r["step_s"] if single and tp > 1 else math.nan
-        same = "" if not single or tp == 1 or "tokens" not in r else str(r["tokens"] == single["tokens"])
+        same = "" if not single or tp == 1 or "tokens" not in r else first_difference(r["tokens"], single["tokens"])
         roof, frac = r["roofline_tok_s"], r["fraction_of_roofline"]
         lines.append(f"{r['model']:<6} {r['engine']:<6} {tp:>4} {r['bytes_per_step']['total'] / 1e9:>8.3f} "
                      f"{r['step_s'] * 1e3:>8.3f} {r['tok_s']:>8.1f} {roof or math.nan:>9.1f} {frac or math.nan:>9.2f} "
-                     f"{ratio:>10.2f} {speedup:>8.2f} {same:>8}")
+                     f"{ratio:>10.2f} {speedup:>8.2f} {same:>8} {len(set(r.get('tokens', []))):>8}")
     return "\n".join(lines)
 
 
@@ -317,10 +324,10 @@ def plot(record: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(len(engines), 1)
     for i, engine in enumerate(engines):
-        fractions = [next((r["fraction_of_roofline"] or 0 for r in record["rows"] if group(r) == g and r["engine"] == engine), 0)
-                     for g in groups]
+        fractions = [next((r["fraction_of_roofline"] or 0 for r in record["rows"] if group(r) == g and r["engine"] == engine),
+                          math.nan) for g in groups]  # nan: not measured, no bar
         bars = ax.bar([j + i * width for j in range(len(groups))], fractions, width, label=engine)
-        ax.bar_label(bars, fmt="%.2f")
+        ax.bar_label(bars, labels=["" if math.isnan(f) else f"{f:.2f}" for f in fractions])
     ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(groups))], groups)
     ax.axhline(1.0, color="gray", ls="--")
     ax.set(ylabel="plain decode / roofline", title=f"fraction of the memory roofline, {record['device']}, batch 1",
