@@ -17,6 +17,11 @@ weights are held once and JAX's allocator does not meet torch's.
 Random weights cost what real ones do (shapes, not values, set the time). Shapes of the 31B and E4B are
 assumed (no released configs could be read here; docs/benchmarks.md).
 
+Verify cost against T (`--verify-widths 1,5,8`): the time of one T-token verify forward at a fixed position,
+with per-width forwards (not the invariant width), each width its own engine: in JAX an engine of k_max T-1
+compiles exactly T; in torch the sweep replays CUDA graphs of the eager forward, since torch.compile would
+recompile dynamic in T after the second width.
+
 Tensor parallel over N devices (`--tensor-parallel 1,2`): torch runs one process per device under torchrun (NCCL;
 gloo on the CPU), JAX one process over a mesh of N devices. The roofline is then N devices' bandwidth over the
 same bytes, and every row keeps the greedy tokens it decoded, so the table says whether N devices decode what
@@ -119,6 +124,18 @@ def greedy_tokens(cycle, prompt: list[int], count: int) -> list[int]:
     return [int(t) for t in run_cycles(cycle, [prompt], 0, StopCondition(count)).tokens[0]]
 
 
+def median_seconds(call, reps: int) -> float:
+    """Median wall seconds of `call` (which waits for its result), after 3 untimed calls."""
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[reps // 2]
+
+
 def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) -> dict | None:
     """None on the ranks past the first of a tensor-parallel run (the first reports)."""
     import torch
@@ -148,6 +165,13 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         log(f"  compiled and captured in {time.perf_counter() - start:.1f} s")
         step = seconds_per_step(FusedCycle(engine, None, 0), prompt, args.steps, 3)
         tokens = greedy_tokens(FusedCycle(engine, None, 0), prompt, args.tokens)
+        verify_ms = {}
+        for width in args.verify_widths:
+            per_width = TorchEngine(model, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
+                                    compile=False)
+            ids = per_width.prefill([prompt])[:, None].expand(1, width).contiguous()
+            sync = torch.cuda.synchronize if cuda else (lambda: None)
+            verify_ms[str(width)] = 1e3 * median_seconds(lambda: (per_width.verify(ids), sync()), 20)
     bandwidth = 0.0
     if cuda:
         x = torch.empty(2 << 30, dtype=torch.uint8, device=device)
@@ -166,7 +190,7 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         return None
     return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": dtype.itemsize,
             "device": torch.cuda.get_device_name() if cuda else "cpu", "version": torch.__version__,
-            "compiled": cuda and args.torch_compile, "tokens": tokens}
+            "compiled": cuda and args.torch_compile, "tokens": tokens, "verify_ms": verify_ms}
 
 
 def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) -> dict:
@@ -190,6 +214,13 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
     log(f"  compiled in {time.perf_counter() - start:.1f} s")
     step = seconds_per_step(JaxFusedCycle(engine, None, 0), prompt, args.steps, 16)
     tokens = greedy_tokens(JaxFusedCycle(engine, None, 0), prompt, args.tokens)
+    verify_ms = {}
+    for width in args.verify_widths:
+        per_width = JaxEngine(cfg, engine.params, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
+                              mesh=make_mesh(tp) if tp > 1 else None)
+        pending = per_width.prefill([prompt])
+        ids = jnp.broadcast_to(jnp.asarray(pending, jnp.int32)[:, None], (1, width))
+        verify_ms[str(width)] = 1e3 * median_seconds(lambda: per_width.verify(ids).logits.block_until_ready(), 20)
     bandwidth = 0.0
     if jax.default_backend() == "gpu":
         x = jnp.zeros(1 << 29, jnp.float32)
@@ -202,7 +233,8 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
         bandwidth = 2 * x.nbytes * 10 / (time.perf_counter() - begin)
     device = jax.devices()[0]
     return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": jnp.dtype(dtype).itemsize,
-            "device": device.device_kind, "version": jax.__version__, "compiled": True, "tokens": tokens}
+            "device": device.device_kind, "version": jax.__version__, "compiled": True, "tokens": tokens,
+            "verify_ms": verify_ms}
 
 
 def child(engine: str, name: str, tp: int, args) -> dict | None:
@@ -235,6 +267,7 @@ def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dic
     command = launcher + [__file__, "--child", f"{engine}:{name}:{tp}", "--steps", str(args.steps),
                           "--tokens", str(args.tokens)]
     command += ["--tiny"] * args.tiny + ["--no-torch-compile"] * (not args.torch_compile)
+    command += ["--verify-widths", ",".join(map(str, args.verify_widths))] if args.verify_widths else []
     command += ["--config-270m", str(args.config_270m)] if args.config_270m else []
     return command, env
 
@@ -306,6 +339,11 @@ def table(record: dict) -> str:
         lines.append(f"{r['model']:<6} {r['engine']:<6} {tp:>4} {r['bytes_per_step']['total'] / 1e9:>8.3f} "
                      f"{r['step_s'] * 1e3:>8.3f} {r['tok_s']:>8.1f} {roof or math.nan:>9.1f} {frac or math.nan:>9.2f} "
                      f"{ratio:>10.2f} {speedup:>8.2f} {same:>8} {len(set(r.get('tokens', []))):>8}")
+    for r in record["rows"]:
+        verify = {int(t): ms for t, ms in r.get("verify_ms", {}).items()}
+        if 1 in verify:
+            lines.append(f"{r['model']} {r['engine']} on {r.get('tensor_parallel', 1)}: verify, per-width forwards: "
+                         + " ".join(f"T={t} {ms:.2f} ms ({ms / verify[1]:.2f}x)" for t, ms in sorted(verify.items())))
     return "\n".join(lines)
 
 
@@ -335,6 +373,18 @@ def plot(record: dict, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    swept = [r for r in record["rows"] if r.get("verify_ms")]
+    if swept:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in swept:
+            widths = sorted(int(t) for t in r["verify_ms"])
+            ax.plot(widths, [r["verify_ms"][str(t)] for t in widths],
+                    "o-", label=f"{r['model']} {r['engine']}" + (f" on {r['tensor_parallel']}" if r.get("tensor_parallel", 1) > 1 else ""))
+        ax.set(xlabel="tokens per verify forward (T)", ylabel="ms", ylim=(0, None),
+               title=f"verify step time against T, per-width forwards, {record['device']}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path.with_name(path.stem + "-verify.png"), dpi=120)
 
 
 def main() -> None:
@@ -349,6 +399,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens kept per row (compared across devices)")
     parser.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
                         help="torch: CUDA graphs of the eager forward (no torch.compile)")
+    parser.add_argument("--verify-widths", type=lambda text: [int(t) for t in text.split(",")], default=[],
+                        help="comma-separated T: also time a T-token verify forward per width, e.g. 1,2,4,5,8,9")
     parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke test)")
     parser.add_argument("--replot", type=Path, nargs="+", help="print and draw results files (merged) and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
