@@ -5,6 +5,7 @@ profiler), grouped by name. The difference between cycle and verify is what draf
 
     python scripts/profile_cycle.py --target DIR --out docs/results/profile-cycle-h100.json
     python scripts/profile_cycle.py --config .../config.json      # random weights at a checkpoint's shapes
+    python scripts/profile_cycle.py --config 31b.json --methods plain --k 8 --context 1024   # a large target
 
 Random weights cost what real ones do (shapes, not values, set a kernel's time); the drafter's acceptance
 means nothing then, and nothing here depends on it.
@@ -75,29 +76,38 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--methods", default="plain,ngram,eagle3", help="comma-separated: plain, ngram, eagle3")
+    parser.add_argument("--context", type=int, default=4096, help="cache positions")
     parser.add_argument("--out", type=Path, default=Path("profile-cycle.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_cycle needs CUDA")
-    dtype, device, context = torch.bfloat16, "cuda", 4096
+    dtype, device, context = torch.bfloat16, "cuda", args.context
     if args.target:
         model = GemmaModel.from_checkpoint(args.target, dtype=dtype, device=device, max_seq_len=context)
     else:
         model = GemmaModel.random(GemmaConfig.from_file(args.config), dtype, device, context)
     cfg = model.cfg
-    head = load_head(args.head) if args.head else random_head(Eagle3Config.for_target(cfg))
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20000, args.prompt_tokens)]
     plain_engine = TorchEngine(model, max_seq_len=context, k_max=args.k)
-    tapped_engine = TorchEngine(model, max_seq_len=context, k_max=args.k,
-                                hidden_layers=engine_taps(head.cfg.aux_layer_ids))
+
+    def eagle3_cycle():
+        head = load_head(args.head) if args.head else random_head(Eagle3Config.for_target(cfg))
+        tapped_engine = TorchEngine(model, max_seq_len=context, k_max=args.k,
+                                    hidden_layers=engine_taps(head.cfg.aux_layer_ids))
+        return FusedCycle(tapped_engine, Eagle3Drafter(head, tapped_engine, args.k, SamplingParams())
+                          .device_draft_fn("torch", args.k), args.k)
+
     methods = {
         "plain": lambda: FusedCycle(plain_engine, None, 0),
         "ngram": lambda: FusedCycle(plain_engine, NgramDrafter().device_draft_fn("torch", args.k), args.k),
-        "eagle3": lambda: FusedCycle(tapped_engine, Eagle3Drafter(head, tapped_engine, args.k, SamplingParams())
-                                     .device_draft_fn("torch", args.k), args.k),
+        "eagle3": eagle3_cycle,
     }
     rows = []
-    for name, make in methods.items():
+    for name in args.methods.split(","):
+        if name not in methods:
+            sys.exit(f"unknown method {name!r}: use {', '.join(methods)}")
+        make = methods[name]
         log(f"{name}: capturing")
         cycle = make()
         engine = cycle.verifier
@@ -118,7 +128,7 @@ def main() -> None:
     record = {"benchmark": "profile_cycle", "date": now_utc(), "commit": git_commit(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(dtype),
               "model": str(args.target or args.config), "weights": "checkpoint" if args.target else "random",
-              "head": str(args.head or "random"), "invariant_width": plain_engine.width,
+              "head": str(args.head or "random") if "eagle3" in args.methods else None, "invariant_width": plain_engine.width,
               "prompt_tokens": len(prompt), "rows": rows}
     args.out.write_text(json.dumps(record, indent=1))
     print(f"\n{record['device']} · {record['commit']} · width {plain_engine.width} · k {args.k}")
