@@ -67,6 +67,23 @@ def kernels(replay, reps: int) -> dict:
             "top": [{"name": n[:120], "per_replay": c / reps, "ms": t / reps} for n, (c, t) in top]}
 
 
+def ops_by_shape(run, reps: int, top: int = 20) -> list[dict]:
+    """GPU ms per forward of each (operator, input shapes) of `run`, called outside a CUDA graph: a replay
+    records kernels alone, with no operator or shape to tell which GEMM is which."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    ops.sort(key=lambda e: -e.self_device_time_total)
+    return [{"op": e.key, "shapes": str(e.input_shapes), "per_forward": e.count / reps,
+             "ms": e.self_device_time_total / 1e3 / reps} for e in ops[:top]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -120,8 +137,15 @@ def main() -> None:
         verify_graph = engine._graphs[engine.width][0]
         verify = gpu_ms(verify_graph.replay, args.reps)
         verify_kernels = kernels(verify_graph.replay, 20)
+        # the same forward outside the graph, where the profiler sees each GEMM's operator and shapes
+        ungraphed = TorchEngine(model, max_seq_len=context, k_max=args.k, cuda_graphs=False,
+                                hidden_layers=engine.hidden_layers)
+        ungraphed.prefill([prompt])
+        width_tokens = torch.zeros(1, engine.width, dtype=torch.long, device=device)
+        verify_ops = ops_by_shape(lambda: ungraphed.verify(width_tokens), 10)
         rows.append({"method": name, "k": cycle.k, "cycle_wall_ms": wall, "cycle_gpu_ms": gpu,
-                     "verify_gpu_ms": verify, "kernels": cycle_kernels, "verify_kernels": verify_kernels})
+                     "verify_gpu_ms": verify, "kernels": cycle_kernels, "verify_kernels": verify_kernels,
+                     "verify_ops": verify_ops})
         log(f"{name}: wall {wall:.3f} ms, gpu {gpu:.3f} ms, verify {verify:.3f} ms, "
             f"{cycle_kernels['per_replay']:.0f} kernels ({cycle_kernels['busy_ms']:.3f} ms busy)")
         del cycle
@@ -142,6 +166,9 @@ def main() -> None:
         print(f"\n{r['method']}: top kernels per replay (count, ms)")
         for t in r["kernels"]["top"][:12]:
             print(f"  {t['per_replay']:5.1f} {t['ms']:7.4f}  {t['name'][:100]}")
+        print(f"{r['method']}: verify forward's costliest operators by input shapes (per forward, ms)")
+        for o in r["verify_ops"][:12]:
+            print(f"  {o['per_forward']:5.1f} {o['ms']:7.4f}  {o['op']} {o['shapes'][:90]}")
 
 
 if __name__ == "__main__":
