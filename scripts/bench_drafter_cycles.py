@@ -34,7 +34,7 @@ from specdec.models.torch_gemma import GemmaModel
 from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_roofline import E4B_TINY, GEMMA4_31B, GEMMA4_E4B, GEMMA4_TINY  # noqa: E402
+from bench_roofline import E4B_TINY, GEMMA4_31B, GEMMA4_E4B, GEMMA4_TINY, median_seconds  # noqa: E402
 
 def assistant_config(target: dict, tiny: bool) -> dict:
     """An assistant for `target`: query heads over the target's KV heads, its head dims, 4 layers."""
@@ -80,16 +80,8 @@ def time_verify(engine: TorchEngine, prompt: list[int], T: int, reps: int) -> fl
     """Median seconds of a T-token verify (graph replay) at a fixed position, synchronised."""
     pending = engine.prefill([prompt])
     tokens = pending[:, None].expand(1, T).contiguous()
-    for _ in range(3):
-        engine.verify(tokens)
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize() if engine.device.type == "cuda" else None
-        start = time.perf_counter()
-        engine.verify(tokens)
-        torch.cuda.synchronize() if engine.device.type == "cuda" else None
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    return median_seconds(lambda: (engine.verify(tokens), sync()), reps)
 
 
 def main() -> None:

@@ -140,6 +140,8 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
     """None on the ranks past the first of a tensor-parallel run (the first reports)."""
     import torch
 
+    from bench_drafter_cycles import time_verify  # here, not at the top: that script imports this one's shapes
+
     from specdec.models.torch_gemma import GemmaModel
     from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
@@ -169,9 +171,7 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         for width in args.verify_widths:
             per_width = TorchEngine(model, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
                                     compile=False)
-            ids = per_width.prefill([prompt])[:, None].expand(1, width).contiguous()
-            sync = torch.cuda.synchronize if cuda else (lambda: None)
-            verify_ms[str(width)] = 1e3 * median_seconds(lambda: (per_width.verify(ids), sync()), 20)
+            verify_ms[str(width)] = 1e3 * time_verify(per_width, prompt, width, 20)
     bandwidth = 0.0
     if cuda:
         x = torch.empty(2 << 30, dtype=torch.uint8, device=device)
