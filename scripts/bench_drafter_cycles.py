@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -66,14 +65,7 @@ def log(msg: str) -> None:
 def time_cycles(cycle, prompt: list[int], cycles: int) -> float:
     """Median seconds per cycle.step() (graph replay + host sync), after a warm-up that captures the graph."""
     cycle.start([prompt], StopCondition(10**6))
-    for _ in range(3):
-        cycle.step()
-    times = []
-    for _ in range(cycles):
-        start = time.perf_counter()
-        cycle.step()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return median_seconds(cycle.step, cycles)
 
 
 def time_verify(engine: TorchEngine, prompt: list[int], T: int, reps: int) -> float:
