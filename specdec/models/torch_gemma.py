@@ -223,12 +223,16 @@ class ChunkContext:
 
 def _write_kv(cache: KVCache, index: int, slots, keys: torch.Tensor, values: torch.Tensor | None) -> None:
     """Store a chunk's keys (and values) [B, n_kv, T, hd] of layer `index` at their slots (the last
-    `slots` tokens when the chunk is longer than a ring)."""
+    `slots` tokens when the chunk is longer than a ring). Indexed in the cache's own layout: written through a
+    transposed view, the compiled CUDA forward copied each layer's whole cache out and back per forward
+    (2 x 100 kernels, 1.3 ms of a 31B step on an H200)."""
     rows, slot, _ = slots
     n = slot.shape[1]
-    cache.keys[index].transpose(1, 2).index_put_((rows, slot), keys[:, :, -n:].transpose(1, 2))
+    heads = torch.arange(keys.shape[1], device=keys.device)[None, :, None]
+    where = (rows[:, :, None], heads, slot[:, None, :])  # -> [B, n_kv, n]
+    cache.keys[index].index_put_(where, keys[:, :, -n:])
     if values is not None:
-        cache.values[index].transpose(1, 2).index_put_((rows, slot), values[:, :, -n:].transpose(1, 2))
+        cache.values[index].index_put_(where, values[:, :, -n:])
 
 
 class Attention(Packed):
