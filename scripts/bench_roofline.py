@@ -313,6 +313,10 @@ def merge(paths: list[Path]) -> dict:
                 merged_from=[str(p) for p in paths])
 
 
+def row_commits(record: dict) -> set[str]:
+    return {r.get("commit", record["commit"]) for r in record["rows"]}
+
+
 def first_difference(tokens: list[int], reference: list[int]) -> str:
     index = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
     return "yes" if index is None and len(tokens) == len(reference) else f"from {index if index is not None else min(len(tokens), len(reference))}"
@@ -322,11 +326,12 @@ def table(record: dict) -> str:
     """Per row: the fraction of roofline, JAX's step over torch's (same model and devices), the speed-up over
     the same engine on one device, whether its greedy tokens are that run's ("from i": they differ from token
     i on) and how many distinct tokens they hold (random weights at depth often repeat one token, which makes
-    the comparison weak)."""
+    the comparison weak); and each row's commit where merged runs differ in it."""
+    merged = len(row_commits(record)) > 1
     lines = [f"{record['device']}: copy bandwidth {record['copy_bandwidth'] / 1e9:.0f} GB/s per device, batch 1, "
              "invariant width",
              f"{'model':<6} {'engine':<6} {'devs':>4} {'GB/step':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} "
-             f"{'fraction':>9} {'jax/torch':>10} {'x 1 dev':>8} {'= 1 dev':>8} {'distinct':>8}"]
+             f"{'fraction':>9} {'jax/torch':>10} {'x 1 dev':>8} {'= 1 dev':>8} {'distinct':>8}" + ("  commit" if merged else "")]
     by_key = {(r["model"], r["engine"], r.get("tensor_parallel", 1)): r for r in record["rows"]}
     for r in record["rows"]:
         tp = r.get("tensor_parallel", 1)
@@ -338,7 +343,8 @@ def table(record: dict) -> str:
         roof, frac = r["roofline_tok_s"], r["fraction_of_roofline"]
         lines.append(f"{r['model']:<6} {r['engine']:<6} {tp:>4} {r['bytes_per_step']['total'] / 1e9:>8.3f} "
                      f"{r['step_s'] * 1e3:>8.3f} {r['tok_s']:>8.1f} {roof or math.nan:>9.1f} {frac or math.nan:>9.2f} "
-                     f"{ratio:>10.2f} {speedup:>8.2f} {same:>8} {len(set(r.get('tokens', []))):>8}")
+                     f"{ratio:>10.2f} {speedup:>8.2f} {same:>8} {len(set(r.get('tokens', []))):>8}"
+                     + (f"  {r['commit']}" if merged else ""))
     for r in record["rows"]:
         verify = {int(t): ms for t, ms in r.get("verify_ms", {}).items()}
         if 1 in verify:
@@ -357,12 +363,16 @@ def plot(record: dict, path: Path) -> None:
         tp = r.get("tensor_parallel", 1)
         return r["model"] if tp == 1 else f"{r['model']} on {tp}"
 
+    def series(r: dict) -> str:  # runs of several commits merged: one bar per engine and commit
+        return f"{r['engine']} {r['commit']}" if merged else r["engine"]
+
+    merged = len(row_commits(record)) > 1
     groups = list(dict.fromkeys(map(group, record["rows"])))
-    engines = list(dict.fromkeys(r["engine"] for r in record["rows"]))
-    fig, ax = plt.subplots(figsize=(7, 4))
+    engines = list(dict.fromkeys(map(series, record["rows"])))
+    fig, ax = plt.subplots(figsize=(7 if len(engines) < 3 else 10, 4))
     width = 0.8 / max(len(engines), 1)
     for i, engine in enumerate(engines):
-        fractions = [next((r["fraction_of_roofline"] or 0 for r in record["rows"] if group(r) == g and r["engine"] == engine),
+        fractions = [next((r["fraction_of_roofline"] or 0 for r in record["rows"] if group(r) == g and series(r) == engine),
                           math.nan) for g in groups]  # nan: not measured, no bar
         bars = ax.bar([j + i * width for j in range(len(groups))], fractions, width, label=engine)
         ax.bar_label(bars, labels=["" if math.isnan(f) else f"{f:.2f}" for f in fractions])
