@@ -28,7 +28,11 @@ def decode_width(k_max: int) -> int:
     to a multiple of 8. One fixed width makes each row's arithmetic independent of how many real tokens
     the forward holds; the multiple of 8 keeps every row on the same path of the matmul kernels (fp32 CPU
     GEMMs compute the last row of a 9-row product differently from the others)."""
-    return -(-(k_max + 1) // ROW_MULTIPLE) * ROW_MULTIPLE
+    return round_up(k_max + 1, ROW_MULTIPLE)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 # Tensor parallelism, one spec for both engines: which dimension of which weight splits over the devices.
@@ -177,7 +181,7 @@ class GemmaConfig:
         past the committed length before it catches up (a model drafter's draft steps). Rounded up to a
         multiple of 8: the attention products' rows are then 16-byte aligned, which cuBLAS's fast kernels
         need (a 527-slot ring ran the 270M's on an sm75 fallback, ~6 us each on an H200)."""
-        ring = -(-(self.sliding_window + decode_width(k_max) - 1 + lookahead) // 8) * 8
+        ring = round_up(self.sliding_window + decode_width(k_max) - 1 + lookahead, 8)
         return {FULL: max_seq_len, SLIDING: min(ring, max_seq_len)}
 
     def kv_cache_shapes(self, batch: int, max_seq_len: int, k_max: int,
