@@ -43,7 +43,7 @@ from specdec.data.sources import Prompt, Row, collect_prompts
 from specdec.errors import SpecdecError
 from specdec.evidence import now_utc
 from specdec.generate import StopCondition, run_cycles
-from specdec.models.config import GemmaConfig, decode_width
+from specdec.models.config import GemmaConfig, decode_width, round_up
 from specdec.sampling import SamplingParams
 
 FEATURE_BUCKET = 64  # feature forwards are padded to a multiple of this: few shapes for XLA to compile
@@ -314,7 +314,7 @@ class FeatureCapture:
         """float32 [B, T, len(hidden_layers), H], T the longest sequence padded up to a bucket."""
         cfg = self.target.config
         longest = max(len(s) for s in sequences)
-        width = min(-(-longest // FEATURE_BUCKET) * FEATURE_BUCKET, self.max_seq_len)
+        width = min(round_up(longest, FEATURE_BUCKET), self.max_seq_len)
         tokens = np.full((len(sequences), width), cfg.pad_token_id, np.int64)
         for b, s in enumerate(sequences):
             tokens[b, : len(s)] = s

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specdec.acceptance.jax_rule import accept_greedy, accept_sampled
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, StopCondition, check_context
-from specdec.models.config import GemmaConfig, check_tensor_parallel, decode_width, tp_split_axis
+from specdec.models.config import GemmaConfig, check_tensor_parallel, decode_width, round_up, tp_split_axis
 from specdec.models.jax_gemma import Cache, Params, forward, init_cache, load_params, reset_cache
 from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams
@@ -450,7 +450,7 @@ def _stop_arrays(max_new_tokens: int, eos_ids) -> tuple[jax.Array, jax.Array]:
     """The device-side stop: the token budget and the EOS ids, padded with -1 (no token) to a multiple of 8
     (fewer recompiles)."""
     eos_ids = sorted(eos_ids)
-    eos = np.full(-(-max(len(eos_ids), 1) // 8) * 8, -1, np.int32)
+    eos = np.full(round_up(max(len(eos_ids), 1), 8), -1, np.int32)
     eos[: len(eos_ids)] = eos_ids
     return jax.device_put(np.int32(max_new_tokens)), jax.device_put(eos)
 
