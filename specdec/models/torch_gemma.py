@@ -225,7 +225,7 @@ def _write_kv(cache: KVCache, index: int, slots, keys: torch.Tensor, values: tor
     """Store a chunk's keys (and values) [B, n_kv, T, hd] of layer `index` at their slots (the last
     `slots` tokens when the chunk is longer than a ring). Indexed in the cache's own layout: written through a
     transposed view, the compiled CUDA forward copied each layer's whole cache out and back per forward
-    (2 x 100 kernels, 1.3 ms of a 31B step on an H200)."""
+    (a 31B step on an H200 took 1.2 ms longer)."""
     rows, slot, _ = slots
     n = slot.shape[1]
     heads = torch.arange(keys.shape[1], device=keys.device)[None, :, None]
