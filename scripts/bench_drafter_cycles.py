@@ -9,7 +9,7 @@ verifies (per-width forwards, T = 1..16, and the invariant width every decode fo
     python scripts/bench_drafter_cycles.py --tiny          # CPU smoke test at toy shapes
 
 Shapes (assumed, not read from released checkpoints; see docs/benchmarks.md): the 31B and the E4B as in
-scripts/bench_roofline.py; the assistant as transformers' Gemma4AssistantConfig describes one (a few query-only
+specdec/roofline.py; the assistant as transformers' Gemma4AssistantConfig describes one (a few query-only
 layers over the target's KV, a centroid-masked head of 2048 centroids, top 32).
 """
 
@@ -30,10 +30,9 @@ from specdec.evidence import git_commit
 from specdec.generate import StopCondition
 from specdec.models.config import GemmaConfig
 from specdec.models.torch_gemma import GemmaModel
+from specdec.roofline import E4B_TINY, GEMMA4_31B, GEMMA4_E4B, GEMMA4_TINY, median_seconds, time_verify
 from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_roofline import E4B_TINY, GEMMA4_31B, GEMMA4_E4B, GEMMA4_TINY, median_seconds  # noqa: E402
 
 def assistant_config(target: dict, tiny: bool) -> dict:
     """An assistant for `target`: query heads over the target's KV heads, its head dims, 4 layers."""
@@ -66,14 +65,6 @@ def time_cycles(cycle, prompt: list[int], cycles: int) -> float:
     """Median seconds per cycle.step() (graph replay + host sync), after a warm-up that captures the graph."""
     cycle.start([prompt], StopCondition(10**6))
     return median_seconds(cycle.step, cycles)
-
-
-def time_verify(engine: TorchEngine, prompt: list[int], T: int, reps: int) -> float:
-    """Median seconds of a T-token verify (graph replay) at a fixed position, synchronised."""
-    pending = engine.prefill([prompt])
-    tokens = pending[:, None].expand(1, T).contiguous()
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    return median_seconds(lambda: (engine.verify(tokens), sync()), reps)
 
 
 def main() -> None:

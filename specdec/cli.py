@@ -1,4 +1,5 @@
-"""`specdec`: the command line (generate, validate, bench, serve, corpus, distill, train, export, import-gguf, inspect)."""
+"""`specdec`: the command line (generate, validate, bench, roofline, serve, corpus, distill, train, export, import-gguf,
+inspect)."""
 
 from __future__ import annotations
 
@@ -339,6 +340,16 @@ def bench(
             raise typer.Exit(1)
         err.print(f"[yellow]speculative output differs from plain decoding (invariant forwards off): {where}[/yellow]",
                   highlight=False, soft_wrap=True)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
+def roofline(ctx: typer.Context):
+    """Plain decoding against the memory roofline at the 270M, E4B and 31B shapes (random weights), both
+    engines: step time, fraction of roofline, verify cost against T, tensor parallel; JSON and PNG. Options:
+    specdec roofline --help."""
+    from specdec import roofline as harness
+
+    harness.main(ctx.args)
 
 
 @app.command()

@@ -1,0 +1,441 @@
+"""Plain decoding against the memory roofline, both engines, at the 270M, E4B and 31B shapes (batch 1).
+
+    specdec roofline --out roofline.json --plot roofline.png [--models 270m,31b,e4b] [--engines torch,jax]
+    specdec roofline --config-270m DIR/config.json ...   # the 270M at random weights (no checkpoint)
+    specdec roofline --models 31b --tensor-parallel 1,2 ...  # the 31B on 1 and 2 devices
+    specdec roofline --tiny --out /tmp/r.json             # CPU smoke test, toy shapes
+    specdec roofline --replot a.json b.json --plot roofline.png   # tables and plots of runs
+
+Per engine and model: the plain decode step as `specdec generate` runs it (the fused plain cycle: one CUDA graph
+replay of the torch.compile'd forward per token in torch, 8 steps per compiled call in JAX; invariant forwards,
+so every step is the engine's one decode width), its seconds per token over `--steps` tokens after warm-up, and
+the roofline: the device's copy bandwidth over the bytes one step must read, i.e. every weight (one row of a
+table that is only looked up: untied embeddings, per-layer inputs) and every allocated KV slot. Bytes are counted
+from the config, the same for both engines. Each (engine, model) runs in a process of its own, so a 31B's
+weights are held once and JAX's allocator does not meet torch's.
+
+Random weights cost what real ones do (shapes, not values, set the time). Shapes of the 31B and E4B are
+assumed (no released configs could be read here; docs/benchmarks.md).
+
+Verify cost against T (`--verify-widths 1,5,8`): the time of one T-token verify forward at a fixed position,
+with per-width forwards (not the invariant width), each width its own engine: in JAX an engine of k_max T-1
+compiles exactly T; in torch the sweep replays CUDA graphs of the eager forward, since torch.compile would
+recompile dynamic in T after the second width.
+
+Tensor parallel over N devices (`--tensor-parallel 1,2`): torch runs one process per device under torchrun (NCCL;
+gloo on the CPU), JAX one process over a mesh of N devices. The roofline is then N devices' bandwidth over the
+same bytes, and every row keeps the greedy tokens it decoded, so the table says whether N devices decode what
+one does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+K_MAX = 8
+CONTEXT = 1024  # cache positions: a 128-token prompt and the decoded tokens fit
+
+# Gemma 4 31B as we understand its config: 60 layers, every 6th full attention; sliding layers 32 query / 16 KV
+# heads of 256; full layers k_eq_v with 4 KV heads of 512.
+GEMMA4_31B = dict(
+    model_type="gemma4_text", vocab_size=262144, hidden_size=5376, intermediate_size=21504,
+    num_hidden_layers=60, sliding_window_pattern=6, num_attention_heads=32, num_key_value_heads=16,
+    head_dim=256, global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True,
+    sliding_window=1024, final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    hidden_size_per_layer_input=0,
+)
+GEMMA4_TINY = dict(
+    GEMMA4_31B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64, num_global_key_value_heads=2,
+    sliding_window=16,
+)
+# E4B as issue 10 describes it (42 layers, per-layer inputs, KV sharing) with Gemma 3n E4B-style widths.
+GEMMA4_E4B = dict(
+    model_type="gemma4_text", vocab_size=262144, hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
+    sliding_window_pattern=6, num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512,
+    sliding_window=512, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, num_kv_shared_layers=18,
+    final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+)
+E4B_TINY = dict(GEMMA4_E4B, vocab_size=1024, vocab_size_per_layer_input=1024, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=8, num_attention_heads=4, head_dim=32, global_head_dim=64, hidden_size_per_layer_input=8,
+                num_kv_shared_layers=2, sliding_window=16)
+GEMMA3_TINY = dict(model_type="gemma3_text", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
+                   tie_word_embeddings=True)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def model_config(name: str, args) -> dict:
+    """The raw config of a model name (the 270M's from --config-270m or the imported checkpoint)."""
+    if args.tiny:
+        return {"270m": GEMMA3_TINY, "31b": GEMMA4_TINY, "e4b": E4B_TINY}[name]
+    if name == "270m":
+        return json.loads(Path(args.config_270m or (checkpoint_270m() / "config.json")).read_text())
+    return {"31b": GEMMA4_31B, "e4b": GEMMA4_E4B}[name]
+
+
+def checkpoint_270m() -> Path:
+    from specdec.models.gguf_import import default_checkpoint
+
+    return default_checkpoint()
+
+
+def step_bytes(cfg, itemsize: int) -> dict[str, int]:
+    """What one batch-1 decode step reads: every weight (a single row of a table that is only looked up) and
+    every allocated KV slot of an engine of CONTEXT positions and K_MAX."""
+    from specdec.models.checkpoint import expected_shapes
+
+    lookup_only = {"embed_tokens_per_layer.weight"} | ({"embed_tokens.weight"} if not cfg.tie_word_embeddings else set())
+    weights = sum(math.prod(shape[1:] if name in lookup_only else shape) for name, shape in expected_shapes(cfg).items())
+    kv = sum(math.prod(shape) * (2 if with_values else 1)
+             for shape, with_values in filter(None, cfg.kv_cache_shapes(1, CONTEXT, K_MAX)))
+    return {"weights": weights * itemsize, "kv_cache": kv * itemsize, "total": (weights + kv) * itemsize}
+
+
+def seconds_per_step(cycle, prompt: list[int], steps: int, warm_up: int) -> float:
+    """Wall seconds per plain decode step of a cycle (one token each), over `steps` after `warm_up` (a JAX
+    cycle runs 8 steps per call, so a step's own time is the mean over many)."""
+    from specdec.generate import StopCondition
+
+    cycle.start([prompt], StopCondition(10**6))
+    for _ in range(warm_up):
+        cycle.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        cycle.step()
+    return (time.perf_counter() - start) / steps
+
+
+def greedy_tokens(cycle, prompt: list[int], count: int) -> list[int]:
+    """The first `count` tokens a plain greedy decode emits (compared across device counts)."""
+    from specdec.generate import StopCondition, run_cycles
+
+    return [int(t) for t in run_cycles(cycle, [prompt], 0, StopCondition(count)).tokens[0]]
+
+
+def median_seconds(call, reps: int) -> float:
+    """Median wall seconds of `call` (which waits for its result), after 3 untimed calls."""
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[reps // 2]
+
+
+def time_verify(engine, prompt: list[int], T: int, reps: int) -> float:
+    """Median seconds of a T-token verify (graph replay) at a fixed position of a TorchEngine, synchronised."""
+    import torch
+
+    pending = engine.prefill([prompt])
+    tokens = pending[:, None].expand(1, T).contiguous()
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    return median_seconds(lambda: (engine.verify(tokens), sync()), reps)
+
+
+def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) -> dict | None:
+    """None on the ranks past the first of a tensor-parallel run (the first reports)."""
+    import torch
+
+    from specdec.models.torch_gemma import GemmaModel
+    from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    group, rank = None, 0
+    if tp > 1:
+        import torch.distributed as dist
+
+        if cuda:
+            device = f"cuda:{os.environ['LOCAL_RANK']}"
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+        group, rank = dist.group.WORLD, dist.get_rank()
+    if checkpoint:
+        model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=CONTEXT, tp_group=group)
+    else:
+        model = GemmaModel.random(cfg, dtype, device, CONTEXT, tp_group=group)
+    engine = TorchEngine(model, max_seq_len=CONTEXT, k_max=K_MAX, compile=cuda and args.torch_compile)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        seconds_per_step(FusedCycle(engine, None, 0), prompt, 8, 3)
+        log(f"  compiled and captured in {time.perf_counter() - start:.1f} s")
+        step = seconds_per_step(FusedCycle(engine, None, 0), prompt, args.steps, 3)
+        tokens = greedy_tokens(FusedCycle(engine, None, 0), prompt, args.tokens)
+        verify_ms = {}
+        for width in args.verify_widths:
+            per_width = TorchEngine(model, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
+                                    compile=False)
+            verify_ms[str(width)] = 1e3 * time_verify(per_width, prompt, width, 20)
+    bandwidth = 0.0
+    if cuda:
+        x = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+        y = torch.empty_like(x)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        y.copy_(x)
+        begin.record()
+        for _ in range(10):
+            y.copy_(x)
+        end.record()
+        torch.cuda.synchronize()
+        bandwidth = 2 * x.numel() * 10 / (begin.elapsed_time(end) / 1e3)
+    if tp > 1:
+        torch.distributed.destroy_process_group()
+    if rank > 0:
+        return None
+    return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": dtype.itemsize,
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "version": torch.__version__,
+            "compiled": cuda and args.torch_compile, "tokens": tokens, "verify_ms": verify_ms}
+
+
+def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from specdec import compile_cache
+    from specdec.models.jax_gemma import load_params, random_params
+    from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle, make_mesh
+
+    compile_cache.enable_jax()
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" and not args.tiny else jnp.float32
+    if checkpoint:
+        cfg, params = load_params(checkpoint, dtype)
+    else:
+        params = random_params(cfg, jax.random.key(0), dtype)
+    engine = JaxEngine(cfg, params, max_seq_len=CONTEXT, k_max=K_MAX, mesh=make_mesh(tp) if tp > 1 else None)
+    del params  # a mesh's shards are copies: one model's weights held, not two
+    start = time.perf_counter()
+    seconds_per_step(JaxFusedCycle(engine, None, 0), prompt, 16, 16)
+    log(f"  compiled in {time.perf_counter() - start:.1f} s")
+    step = seconds_per_step(JaxFusedCycle(engine, None, 0), prompt, args.steps, 16)
+    tokens = greedy_tokens(JaxFusedCycle(engine, None, 0), prompt, args.tokens)
+    verify_ms = {}
+    for width in args.verify_widths:
+        per_width = JaxEngine(cfg, engine.params, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
+                              mesh=make_mesh(tp) if tp > 1 else None)
+        pending = per_width.prefill([prompt])
+        ids = jnp.broadcast_to(jnp.asarray(pending, jnp.int32)[:, None], (1, width))
+        verify_ms[str(width)] = 1e3 * median_seconds(lambda: per_width.verify(ids).logits.block_until_ready(), 20)
+    bandwidth = 0.0
+    if jax.default_backend() == "gpu":
+        x = jnp.zeros(1 << 29, jnp.float32)
+        copy = jax.jit(lambda a: a + 1)
+        copy(x).block_until_ready()
+        begin = time.perf_counter()
+        for _ in range(10):  # back to back, one wait: as torch's events time its copies
+            y = copy(x)
+        y.block_until_ready()
+        bandwidth = 2 * x.nbytes * 10 / (time.perf_counter() - begin)
+    device = jax.devices()[0]
+    return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": jnp.dtype(dtype).itemsize,
+            "device": device.device_kind, "version": jax.__version__, "compiled": True, "tokens": tokens,
+            "verify_ms": verify_ms}
+
+
+def child(engine: str, name: str, tp: int, args) -> dict | None:
+    """One (engine, model, device count) measurement, in this process (one rank's, under torchrun)."""
+    import numpy as np
+
+    from specdec.models.config import GemmaConfig
+
+    raw = model_config(name, args)
+    cfg = GemmaConfig.from_dict(raw)
+    checkpoint = checkpoint_270m() if name == "270m" and not (args.tiny or args.config_270m) else None
+    prompt = [cfg.bos_token_id] + np.random.default_rng(0).integers(3, cfg.vocab_size, 127).tolist()
+    log(f"{engine} {name} on {tp} device(s): {cfg.num_layers} layers, "
+        f"{'checkpoint ' + str(checkpoint) if checkpoint else 'random weights'}")
+    result = (measure_torch if engine == "torch" else measure_jax)(cfg, checkpoint, prompt, args, tp)
+    if result is None:
+        return None
+    return dict(result, engine=engine, model=name, tensor_parallel=tp, bytes_per_step=step_bytes(cfg, result["itemsize"]))
+
+
+def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dict]:
+    """The command and environment of one measurement: torch over N devices is N processes under torchrun;
+    JAX over N devices is one process (N CPU devices made up for a --tiny run)."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")  # a 31B's weights are 77% of an H100
+    launcher = [sys.executable, "-m"]
+    if engine == "torch" and tp > 1:
+        launcher += ["torch.distributed.run", "--nproc-per-node", str(tp), "-m"]
+    elif engine == "jax" and tp > 1 and args.tiny:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={tp}".strip()
+    command = launcher + ["specdec.roofline", "--child", f"{engine}:{name}:{tp}", "--steps", str(args.steps),
+                          "--tokens", str(args.tokens)]
+    command += ["--tiny"] * args.tiny + ["--no-torch-compile"] * (not args.torch_compile)
+    command += ["--verify-widths", ",".join(map(str, args.verify_widths))] if args.verify_widths else []
+    command += ["--config-270m", str(args.config_270m)] if args.config_270m else []
+    return command, env
+
+
+def run_all(args) -> dict:
+    """Every (engine, model, device count) in a child process; the record is rewritten after each (a run cut
+    short keeps what it measured)."""
+    rows: list[dict] = []
+    for name in args.models.split(","):
+        for engine in args.engines.split(","):
+            for tp in map(int, args.tensor_parallel.split(",")):
+                command, env = child_command(engine, name, tp, args)
+                done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
+                if done.returncode != 0:
+                    log(f"{engine} {name} on {tp} device(s): failed (exit {done.returncode})")
+                    continue
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                args.out.write_text(json.dumps(summarise(rows, args.steps), indent=1))
+    return summarise(rows, args.steps)
+
+
+def summarise(rows: list[dict], steps: int) -> dict:
+    bandwidth = max((r["copy_bandwidth"] for r in rows), default=0.0)  # one device's, at its best measurement
+    for r in rows:
+        tp = r.get("tensor_parallel", 1)
+        r["roofline_tok_s"] = tp * bandwidth / r["bytes_per_step"]["total"] if bandwidth else None
+        r["tok_s"] = 1 / r["step_s"]
+        r["fraction_of_roofline"] = r["tok_s"] / r["roofline_tok_s"] if bandwidth else None
+    from specdec.evidence import git_commit
+
+    return {"benchmark": "roofline", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "device": rows[0]["device"] if rows else None, "copy_bandwidth": bandwidth,
+            "context": CONTEXT, "k_max": K_MAX, "steps": steps, "rows": rows}
+
+
+def merge(paths: list[Path]) -> dict:
+    """One record of several runs' rows (e.g. one device and two, run apart), their date and commit kept per row."""
+    records = [json.loads(p.read_text()) for p in paths]
+    rows = [dict(r, date=rec["date"], commit=rec["commit"]) for rec in records for r in rec["rows"]]
+    if len(records) == 1:
+        return records[0]
+    return dict(summarise(rows, records[0]["steps"]), date=records[-1]["date"], commit=records[-1]["commit"],
+                merged_from=[str(p) for p in paths])
+
+
+def row_commits(record: dict) -> set[str]:
+    return {r.get("commit", record["commit"]) for r in record["rows"]}
+
+
+def first_difference(tokens: list[int], reference: list[int]) -> str:
+    index = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    return "yes" if index is None and len(tokens) == len(reference) else f"from {index if index is not None else min(len(tokens), len(reference))}"
+
+
+def table(record: dict) -> str:
+    """Per row: the fraction of roofline, JAX's step over torch's (same model and devices), the speed-up over
+    the same engine on one device, whether its greedy tokens are that run's ("from i": they differ from token
+    i on) and how many distinct tokens they hold (random weights at depth often repeat one token, which makes
+    the comparison weak); and each row's commit where merged runs differ in it."""
+    merged = len(row_commits(record)) > 1
+    lines = [f"{record['device']}: copy bandwidth {record['copy_bandwidth'] / 1e9:.0f} GB/s per device, batch 1, "
+             "invariant width",
+             f"{'model':<6} {'engine':<6} {'devs':>4} {'GB/step':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} "
+             f"{'fraction':>9} {'jax/torch':>10} {'x 1 dev':>8} {'= 1 dev':>8} {'distinct':>8}" + ("  commit" if merged else "")]
+    by_key = {(r["model"], r["engine"], r.get("tensor_parallel", 1)): r for r in record["rows"]}
+    for r in record["rows"]:
+        tp = r.get("tensor_parallel", 1)
+        torch_row, jax_row = by_key.get((r["model"], "torch", tp)), by_key.get((r["model"], "jax", tp))
+        ratio = jax_row["step_s"] / torch_row["step_s"] if torch_row and jax_row else math.nan
+        single = by_key.get((r["model"], r["engine"], 1))
+        speedup = single["step_s"] / r["step_s"] if single and tp > 1 else math.nan
+        same = "" if not single or tp == 1 or "tokens" not in r else first_difference(r["tokens"], single["tokens"])
+        roof, frac = r["roofline_tok_s"], r["fraction_of_roofline"]
+        lines.append(f"{r['model']:<6} {r['engine']:<6} {tp:>4} {r['bytes_per_step']['total'] / 1e9:>8.3f} "
+                     f"{r['step_s'] * 1e3:>8.3f} {r['tok_s']:>8.1f} {roof or math.nan:>9.1f} {frac or math.nan:>9.2f} "
+                     f"{ratio:>10.2f} {speedup:>8.2f} {same:>8} {len(set(r.get('tokens', []))):>8}"
+                     + (f"  {r['commit']}" if merged else ""))
+    for r in record["rows"]:
+        verify = {int(t): ms for t, ms in r.get("verify_ms", {}).items()}
+        if 1 in verify:
+            lines.append(f"{r['model']} {r['engine']} on {r.get('tensor_parallel', 1)}: verify, per-width forwards: "
+                         + " ".join(f"T={t} {ms:.2f} ms ({ms / verify[1]:.2f}x)" for t, ms in sorted(verify.items())))
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def group(r: dict) -> str:
+        tp = r.get("tensor_parallel", 1)
+        return r["model"] if tp == 1 else f"{r['model']} on {tp}"
+
+    def series(r: dict) -> str:  # runs of several commits merged: one bar per engine and commit
+        return f"{r['engine']} {r['commit']}" if merged else r["engine"]
+
+    merged = len(row_commits(record)) > 1
+    groups = list(dict.fromkeys(map(group, record["rows"])))
+    engines = list(dict.fromkeys(map(series, record["rows"])))
+    fig, ax = plt.subplots(figsize=(7 if len(engines) < 3 else 10, 4))
+    width = 0.8 / max(len(engines), 1)
+    for i, engine in enumerate(engines):
+        fractions = [next((r["fraction_of_roofline"] or 0 for r in record["rows"] if group(r) == g and series(r) == engine),
+                          math.nan) for g in groups]  # nan: not measured, no bar
+        bars = ax.bar([j + i * width for j in range(len(groups))], fractions, width, label=engine)
+        ax.bar_label(bars, labels=["" if math.isnan(f) else f"{f:.2f}" for f in fractions])
+    ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(groups))], groups)
+    ax.axhline(1.0, color="gray", ls="--")
+    ax.set(ylabel="plain decode / roofline", title=f"fraction of the memory roofline, {record['device']}, batch 1",
+           xlabel="model (on N devices: tensor parallel, against N devices' bandwidth)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    swept = [r for r in record["rows"] if r.get("verify_ms")]
+    if swept:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in swept:
+            widths = sorted(int(t) for t in r["verify_ms"])
+            ax.plot(widths, [r["verify_ms"][str(t)] for t in widths],
+                    "o-", label=f"{r['model']} {r['engine']}" + (f" on {r['tensor_parallel']}" if r.get("tensor_parallel", 1) > 1 else ""))
+        ax.set(xlabel="tokens per verify forward (T)", ylabel="ms", ylim=(0, None),
+               title=f"verify step time against T, per-width forwards, {record['device']}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path.with_name(path.stem + "-verify.png"), dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="specdec roofline", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("roofline.json"),
+                        help="JSON results, rewritten after each measurement (a run cut short keeps what it measured)")
+    parser.add_argument("--plot", type=Path, help="PNG of the fraction of roofline per model (and PLOT-verify.png "
+                        "of step time against T with --verify-widths)")
+    parser.add_argument("--models", default="270m,31b,e4b", help="comma-separated: 270m, 31b, e4b")
+    parser.add_argument("--engines", default="torch,jax", help="comma-separated: torch, jax")
+    parser.add_argument("--config-270m", type=Path, help="the 270M's config.json: random weights at its shapes")
+    parser.add_argument("--steps", type=int, default=128, help="decode steps timed per (engine, model)")
+    parser.add_argument("--tensor-parallel", default="1", help="comma-separated device counts, e.g. 1,2")
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens kept per row (compared across devices)")
+    parser.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
+                        help="torch: CUDA graphs of the eager forward (no torch.compile)")
+    parser.add_argument("--verify-widths", type=lambda text: [int(t) for t in text.split(",")], default=[],
+                        help="comma-separated T: also time a T-token verify forward per width, e.g. 1,2,4,5,8,9")
+    parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke test)")
+    parser.add_argument("--replot", type=Path, nargs="+", help="print and draw results files (merged) and exit")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        engine, name, tp = args.child.split(":")
+        result = child(engine, name, int(tp), args)
+        if result is not None:
+            print(json.dumps(result))
+        return
+    record = merge(args.replot) if args.replot else run_all(args)
+    print(table(record))
+    if args.plot:
+        plot(record, args.plot)
+
+
+if __name__ == "__main__":
+    main()

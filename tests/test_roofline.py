@@ -1,0 +1,40 @@
+"""`specdec roofline` on the CPU at toy shapes: each (engine, device count) measured in a process of its own
+(torch over two devices under torchrun and gloo, JAX over a mesh of two host devices), the JSON, the plots, and
+a results file drawn again with --replot."""
+
+import json
+import subprocess
+import sys
+
+
+def roofline(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec", "roofline", *args], capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_toy_31b_on_one_and_two_devices_both_engines(tmp_path):
+    out, plot = tmp_path / "roofline.json", tmp_path / "roofline.png"
+    done = roofline("--tiny", "--models", "31b", "--engines", "torch,jax", "--tensor-parallel", "1,2", "--steps", "4",
+                    "--tokens", "8", "--verify-widths", "1,2", "--out", str(out), "--plot", str(plot))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(r["engine"], r["tensor_parallel"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("torch", 1), ("torch", 2), ("jax", 1), ("jax", 2)}
+    for row in rows.values():
+        assert row["model"] == "31b" and row["step_s"] > 0 and len(row["tokens"]) == 8
+        assert set(row["verify_ms"]) == {"1", "2"} and all(ms > 0 for ms in row["verify_ms"].values())
+        assert row["bytes_per_step"]["total"] == row["bytes_per_step"]["weights"] + row["bytes_per_step"]["kv_cache"]
+    for engine in ("torch", "jax"):  # float32 on the CPU: two devices decode what one does
+        assert rows[(engine, 2)]["tokens"] == rows[(engine, 1)]["tokens"]
+    assert plot.exists() and (tmp_path / "roofline-verify.png").exists()
+
+    again = roofline("--replot", str(out))
+    lines = again.stdout.splitlines()
+    assert again.returncode == 0
+    assert sorted(line.split()[1:3] for line in lines if line.startswith("31b ") and "verify" not in line) == [
+        ["jax", "1"], ["jax", "2"], ["torch", "1"], ["torch", "2"]]
+    assert sum("verify, per-width forwards: T=1" in line for line in lines) == 4
+
+
+def test_bad_flag_is_refused():
+    done = roofline("--tensor-parallel")
+    assert done.returncode == 2 and "expected one argument" in done.stderr
