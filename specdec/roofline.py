@@ -136,6 +136,17 @@ def median_seconds(call, reps: int) -> float:
     return sorted(times)[reps // 2]
 
 
+def time_plain_decode(new_cycle, prompt: list[int], args, first_steps: int, warm_up: int,
+                      first_run: str) -> tuple[float, list[int]]:
+    """Seconds per plain decode step over --steps and the first --tokens greedy tokens, each on a fresh cycle of
+    `new_cycle`, after a first run that compiles (its time logged as `first_run`)."""
+    start = time.perf_counter()
+    seconds_per_step(new_cycle(), prompt, first_steps, warm_up)
+    log(f"  {first_run} in {time.perf_counter() - start:.1f} s")
+    step = seconds_per_step(new_cycle(), prompt, args.steps, warm_up)
+    return step, greedy_tokens(new_cycle(), prompt, args.tokens)
+
+
 def time_verify(engine, prompt: list[int], T: int, reps: int) -> float:
     """Median seconds of a T-token verify (graph replay) at a fixed position of a TorchEngine, synchronised."""
     import torch
@@ -170,16 +181,15 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         model = GemmaModel.random(cfg, dtype, device, CONTEXT, tp_group=group)
     engine = TorchEngine(model, max_seq_len=CONTEXT, k_max=K_MAX, compile=cuda and args.torch_compile)
     with torch.inference_mode():
-        start = time.perf_counter()
-        seconds_per_step(FusedCycle(engine, None, 0), prompt, 8, 3)
-        log(f"  compiled and captured in {time.perf_counter() - start:.1f} s")
-        step = seconds_per_step(FusedCycle(engine, None, 0), prompt, args.steps, 3)
-        tokens = greedy_tokens(FusedCycle(engine, None, 0), prompt, args.tokens)
-        verify_ms = {}
-        for width in args.verify_widths:
+        step, tokens = time_plain_decode(lambda: FusedCycle(engine, None, 0), prompt, args, 8, 3,
+                                         "compiled and captured")
+
+        def verify_s(width: int) -> float:
             per_width = TorchEngine(model, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
                                     compile=False)
-            verify_ms[str(width)] = 1e3 * time_verify(per_width, prompt, width, 20)
+            return time_verify(per_width, prompt, width, 20)
+
+        verify_ms = {str(width): 1e3 * verify_s(width) for width in args.verify_widths}
     bandwidth = 0.0
     if cuda:
         x = torch.empty(2 << 30, dtype=torch.uint8, device=device)
@@ -217,18 +227,16 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
         params = random_params(cfg, jax.random.key(0), dtype)
     engine = JaxEngine(cfg, params, max_seq_len=CONTEXT, k_max=K_MAX, mesh=make_mesh(tp) if tp > 1 else None)
     del params  # a mesh's shards are copies: one model's weights held, not two
-    start = time.perf_counter()
-    seconds_per_step(JaxFusedCycle(engine, None, 0), prompt, 16, 16)
-    log(f"  compiled in {time.perf_counter() - start:.1f} s")
-    step = seconds_per_step(JaxFusedCycle(engine, None, 0), prompt, args.steps, 16)
-    tokens = greedy_tokens(JaxFusedCycle(engine, None, 0), prompt, args.tokens)
-    verify_ms = {}
-    for width in args.verify_widths:
+    step, tokens = time_plain_decode(lambda: JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")
+
+    def verify_s(width: int) -> float:
         per_width = JaxEngine(cfg, engine.params, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
                               mesh=make_mesh(tp) if tp > 1 else None)
         pending = per_width.prefill([prompt])
         ids = jnp.broadcast_to(jnp.asarray(pending, jnp.int32)[:, None], (1, width))
-        verify_ms[str(width)] = 1e3 * median_seconds(lambda: per_width.verify(ids).logits.block_until_ready(), 20)
+        return median_seconds(lambda: per_width.verify(ids).logits.block_until_ready(), 20)
+
+    verify_ms = {str(width): 1e3 * verify_s(width) for width in args.verify_widths}
     bandwidth = 0.0
     if jax.default_backend() == "gpu":
         x = jnp.zeros(1 << 29, jnp.float32)
