@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -120,6 +121,9 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
     else:
         from specdec.verifiers.jax_engine import JaxEngine
 
+        # XLA reserves 75% of a GPU's memory when it first starts: about 1 s of every command on an H200
+        # (docs/benchmarks.md, issue 8). Allocate on demand instead, unless the user has chosen.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         compile_cache.enable_jax()
         mesh = None
         if tensor_parallel > 1:

@@ -50,3 +50,16 @@ def test_only_the_text_reaches_stdout(ckpt, tmp_path):
     target = specdec.load(ckpt, engine="jax", k_max=4)
     texts, _ = specdec.generate(PROMPT, target, k=4, max_new_tokens=12, sampling=SamplingParams(0.8, seed=1))
     assert out == PROMPT + texts[0] + "\n"
+
+
+@pytest.mark.parametrize("chosen", [None, "true"])
+def test_xla_allocates_on_demand_unless_the_user_chose(ckpt, monkeypatch, chosen):
+    """XLA's default reserves 75% of a GPU's memory at start-up, about 1 s of every command on an H200."""
+    import specdec
+
+    if chosen is None:
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    else:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", chosen)
+    specdec.load(ckpt, engine="jax", k_max=2)
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == (chosen or "false")
