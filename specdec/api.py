@@ -121,7 +121,7 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
     else:
         from specdec.verifiers.jax_engine import JaxEngine
 
-        # XLA reserves 75% of a GPU's memory when it first starts: about 1 s of every command on an H200
+        # XLA reserves 75% of a GPU's memory when it first starts: 1-2 s of every command on an H200
         # (docs/benchmarks.md, issue 8). Allocate on demand instead, unless the user has chosen.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         compile_cache.enable_jax()
@@ -145,8 +145,6 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
 def init_distributed() -> int:
     """Join the torch.distributed group that torchrun set up, one process per device (NCCL on GPUs, each
     process on its LOCAL_RANK's GPU; gloo on the CPU); -> this process's rank."""
-    import os
-
     import torch
     import torch.distributed as dist
 

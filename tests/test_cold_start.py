@@ -54,7 +54,7 @@ def test_only_the_text_reaches_stdout(ckpt, tmp_path):
 
 @pytest.mark.parametrize("chosen", [None, "true"])
 def test_xla_allocates_on_demand_unless_the_user_chose(ckpt, monkeypatch, chosen):
-    """XLA's default reserves 75% of a GPU's memory at start-up, about 1 s of every command on an H200."""
+    """XLA's default reserves 75% of a GPU's memory at start-up, 1-2 s of every command on an H200."""
     import specdec
 
     if chosen is None:
