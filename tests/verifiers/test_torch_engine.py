@@ -82,6 +82,38 @@ def test_fused_cycle_graph_matches_eager(random_checkpoints):
     assert len(runs[0][0]) == 600
 
 
+def test_compiling_sets_wide_persistent_reductions_unless_the_user_chose():
+    from torch._inductor import config
+
+    from specdec.verifiers.torch_engine import compiled, wide_persistent_reductions
+
+    with config.patch(inductor_choices_class=None):
+        compiled(torch.neg)
+        assert config.inductor_choices_class is wide_persistent_reductions
+        assert "8192" in config.inductor_choices_class().uuid()  # in the compile cache's key
+    with config.patch(inductor_choices_class=object):
+        compiled(torch.abs)
+        assert config.inductor_choices_class is object
+
+
+@pytest.mark.gpu
+def test_norms_over_the_hidden_size_compile_to_one_pass():
+    """A 16-row RMSNorm over 5,376 (the 31B's hidden size) compiles to a persistent reduction ("triton_per_"),
+    not a looped one ("triton_red_"), as inductor's own heuristics would give it."""
+    from torch._inductor.utils import run_and_get_code
+
+    from specdec.models.config import GemmaConfig
+    from specdec.models.torch_gemma import rms_norm
+    from specdec.roofline import GEMMA4_31B
+    from specdec.verifiers.torch_engine import compiled
+
+    cfg = GemmaConfig.from_dict(GEMMA4_31B)
+    x = torch.randn(16, 5376, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(5376, device="cuda", dtype=torch.bfloat16)
+    _, (code, *_) = run_and_get_code(compiled(rms_norm), x, weight, cfg)
+    assert "triton_per_" in code and "triton_red_" not in code
+
+
 def test_compiled_forward_matches_eager(model):
     """torch.compile fuses the forward (the default on CUDA): same logits up to float reassociation,
     and the same greedy tokens and prompt hidden states here. Prefill runs one dynamic-shape program for
