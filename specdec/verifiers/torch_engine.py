@@ -48,7 +48,8 @@ def _configure_compile() -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     from torch._inductor import config
 
-    if config.inductor_choices_class is None:  # a user's own heuristics stay
+    # A user's own heuristics stay; a torch without the setting (pyproject admits 2.4 on) keeps its own limit.
+    if getattr(config, "inductor_choices_class", "absent") is None:
         config.inductor_choices_class = wide_persistent_reductions
 
 
