@@ -99,7 +99,7 @@ def test_compiling_sets_wide_persistent_reductions_unless_the_user_chose():
 @pytest.mark.gpu
 def test_norms_over_the_hidden_size_compile_to_one_pass():
     """A 16-row RMSNorm over 5,376 (the 31B's hidden size) compiles to a persistent reduction ("triton_per_"),
-    not a looped one ("triton_red_"), as inductor's own heuristics would give it."""
+    where inductor's own heuristics would give a looped one ("triton_red_")."""
     from torch._inductor.utils import run_and_get_code
 
     from specdec.models.config import GemmaConfig
