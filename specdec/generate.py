@@ -23,7 +23,8 @@ class SpecStats:
     """Counts over a generation (summed over rows), with vLLM's definitions: tau = tokens emitted per
     verify cycle (accepted + 1); acceptance at position i = drafts accepted at i / cycles that drafted
     at i. tok/s counts the tokens kept (after stop conditions) over the decoding time: prefill, and the
-    set-up before it (loading, compiling, capturing), are timed apart."""
+    set-up before it (loading, compiling, capturing), are timed apart. Cycles that ran in one device call
+    with the prefill (JAX's fused cycle) are in the output and tau but not in tok/s: their time is prefill's."""
 
     k: int
     cycles: int = 0
@@ -34,6 +35,8 @@ class SpecStats:
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     rejected_at: list[int] = field(default_factory=list)  # row 0's emitted-token index of each rejected draft
+    untimed_cycles: int = 0  # of `cycles`, those timed with the prefill
+    untimed_kept: int = 0  # of `kept`, those of untimed cycles
     prefill_s: float = 0.0
     decode_s: float = 0.0
     baseline_tok_s: float | None = None  # plain decoding on the same engine and path (compare_plain)
@@ -45,13 +48,18 @@ class SpecStats:
         self.drafted_at = self.drafted_at or [0] * self.k
         self.accepted_at = self.accepted_at or [0] * self.k
 
-    def record(self, draft_len: int, num_accepted: int, emitted: int, kept: int, first_index: int | None = None) -> None:
-        """One row's cycle; `first_index` (row 0 only) is the index its first emitted token takes."""
+    def record(self, draft_len: int, num_accepted: int, emitted: int, kept: int, first_index: int | None = None,
+               timed: bool = True) -> None:
+        """One row's cycle; `first_index` (row 0 only) is the index its first emitted token takes; `timed`:
+        its time is in decode_s, not prefill_s."""
         if first_index is not None and num_accepted < draft_len:
             self.rejected_at.append(first_index + num_accepted)
         self.cycles += 1
         self.emitted += emitted
         self.kept += kept
+        if not timed:
+            self.untimed_cycles += 1
+            self.untimed_kept += kept
         self.drafted += draft_len
         self.accepted += num_accepted
         for i in range(draft_len):
@@ -73,7 +81,7 @@ class SpecStats:
 
     @property
     def tok_s(self) -> float:
-        return self.kept / self.decode_s if self.decode_s else 0.0
+        return (self.kept - self.untimed_kept) / self.decode_s if self.decode_s else 0.0
 
     @property
     def wall_s(self) -> float:
@@ -262,6 +270,8 @@ class CycleResult:
 class HostCycle:
     """draft (any drafter) -> verify -> accept on the verifier's device -> commit; one host sync."""
 
+    decode_cycles_in_start = 0  # start prefills alone (run_cycles times it apart)
+
     def __init__(self, verifier: Verifier, drafter: Drafter | None, k: int, sampling: SamplingParams):
         self.verifier, self.drafter, self.k = verifier, drafter, k
         self.ops = _Ops(verifier, sampling)
@@ -317,9 +327,11 @@ def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
     cycle.start(prompts, stop)
     synchronize(cycle.verifier)
     stats.prefill_s = time.perf_counter() - start
+    untimed = cycle.decode_cycles_in_start
     start = time.perf_counter()
     while not all(done):
         result = cycle.step()
+        timed, untimed = untimed <= 0, untimed - 1
         for b in range(batch):
             if done[b]:
                 continue
@@ -327,7 +339,7 @@ def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
             first_index = len(rows[b]) if b == 0 else None
             kept, done[b] = stop.take(rows[b], new)
             rows[b].extend(kept)
-            stats.record(int(result.draft_len[b]), int(result.num_accepted[b]), len(new), len(kept), first_index)
+            stats.record(int(result.draft_len[b]), int(result.num_accepted[b]), len(new), len(kept), first_index, timed)
             if on_tokens is not None:
                 on_tokens(b, kept)
     stats.decode_s = time.perf_counter() - start  # the last step read its results: nothing is in flight

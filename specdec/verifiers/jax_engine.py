@@ -10,9 +10,10 @@
   harmless: padded tokens sit after the real ones (causal), and the slots they take are those of a
   full-width verify, which the ring is sized for.
 - Prompts prefill through the same decode forward, a forward's width of tokens at a time, all rows
-  together: one compiled program serves prefill and decoding (a first run compiles once). Pads are
-  harmless for the same reason: a pad written at position p takes the ring slot of p - slots, which stays
-  outside every later query's window while p is within the decode width of the next real token.
+  together. Pads are harmless for the same reason: a pad written at position p takes the ring slot of
+  p - slots, which stays outside every later query's window while p is within the decode width of the next
+  real token. `JaxFusedCycle` prefills inside its cycle program (`decode_step`'s prefill cycles), so a run
+  compiles one program holding the forward, not two: XLA spends seconds on each copy of the forward.
 - `generate_fused` runs the whole decode in one `lax.while_loop` dispatch. Its body, `decode_step`, is one
   draft -> verify -> accept -> commit cycle, greedy or sampled (lossless rejection sampling, the PRNG key in
   the loop's state); with no drafter it is plain decoding (k = 0). A device-side drafter plugs in as
@@ -98,6 +99,7 @@ class DecodeState(NamedTuple):
     generated: jax.Array  # [B] tokens emitted so far
     done: jax.Array  # [B] bool: hit EOS or max tokens
     cycles: jax.Array  # [B] verify cycles run while not done (tau = generated / cycles)
+    prefill_end: jax.Array  # [B] the committed length a row's prompt ends at (its length - 1); prefill cycles run until every row is there
     key: jax.Array  # PRNG key of a sampled decode, split once per cycle (greedy decoding leaves it)
     drafter: dict  # a stateful device drafter's state (EAGLE-3: its KV cache, rows to catch up on); {} if none
 
@@ -109,6 +111,7 @@ class StepResult(NamedTuple):
     next_token: jax.Array  # [B]
     draft: jax.Array  # [B, k]
     draft_len: jax.Array  # [B]
+    prefill: jax.Array  # []: a prefill cycle, which committed prompt tokens and emitted nothing
 
 
 # A device drafter's function (specdec.protocol.DeviceDrafter): (tokens, context_len) -> (draft [B, k], draft_len [B]);
@@ -235,6 +238,11 @@ class JaxEngine:
             raise SpecdecError(f"the drafter proposes {k} tokens, more than the engine's k_max of {self.k_max}")
         offsets = jnp.arange(k + 1, dtype=jnp.int32)
         tokens = self._pad(jnp.concatenate([pending, draft], axis=1))
+        if tokens.shape[1] == self.buckets[-1]:  # prompts left to commit take this same forward call
+            prefilling, chunk, advance = self._prefill_chunk(state)
+            tokens = jnp.where(prefilling, chunk, tokens)
+        else:  # a narrower forward than prefill's chunks: the prompts were committed before the loop
+            prefilling, advance = jnp.asarray(False), jnp.zeros(B, jnp.int32)
         logits, hidden, cache = self._forward(params, state.cache, tokens, state.length)
         if sampling.greedy:
             num_accepted, next_token = accept_greedy(draft, draft_len, logits[:, : k + 1])
@@ -242,28 +250,45 @@ class JaxEngine:
             key, cycle_key = jax.random.split(key)
             num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits[:, : k + 1], sampling,
                                                       cycle_key)
+            key = jnp.where(prefilling, state.key, key)  # a prefill cycle draws nothing
         next_token = next_token.astype(jnp.int32)
-        # Accepted drafts, then the target's token; entries past it are overwritten by the next cycle.
+        # Accepted drafts, then the target's token; entries past it are overwritten by the next cycle. A
+        # prefill cycle writes its buffer's own tokens back (the prompt).
+        written = state.length[:, None] + 1 + offsets
         padded_draft = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
         emitted = jnp.where(offsets < num_accepted[:, None], padded_draft, next_token[:, None])
-        is_eos = (emitted[..., None] == eos_ids).any(-1) & (offsets <= num_accepted[:, None])
+        emitted = jnp.where(prefilling, state.tokens[rows, written], emitted)
+        is_eos = (emitted[..., None] == eos_ids).any(-1) & (offsets <= num_accepted[:, None]) & ~prefilling
         hit_eos = is_eos.any(axis=1)
         count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, num_accepted + 1)
-        count = jnp.where(state.done, 0, count).astype(jnp.int32)
+        count = jnp.where(state.done | prefilling, 0, count).astype(jnp.int32)
         generated = state.generated + count
         if _stateful(draft_fn):
             drafter_state = draft_fn.observe(draft_params, drafter_state, hidden, emitted, num_accepted + 1, state.length)
         state = DecodeState(
             cache=self._constrain(cache),
-            tokens=state.tokens.at[rows, state.length[:, None] + 1 + offsets].set(emitted),
-            length=state.length + count,
+            tokens=state.tokens.at[rows, written].set(emitted),
+            length=state.length + jnp.where(prefilling, advance, count),
             generated=generated,
             done=state.done | hit_eos | (generated >= max_new_tokens),
-            cycles=state.cycles + (~state.done).astype(jnp.int32),
+            cycles=state.cycles + (~state.done & ~prefilling).astype(jnp.int32),
+            prefill_end=state.prefill_end,
             key=key,
             drafter=drafter_state,
         )
-        return state, StepResult(num_accepted, next_token, draft, draft_len)
+        return state, StepResult(num_accepted, next_token, draft, draft_len, prefilling)
+
+    def _prefill_chunk(self, state: DecodeState):
+        """A prefill cycle's forward input, as `_feed` builds it: while any row has prompt left to commit,
+        every row takes its next chunk (the rest of its prompt, up to the forward's width, then pads), so all
+        rows start decoding in one cycle, as after `prefill`. -> (prefilling [], tokens [B, W], advance [B]:
+        the prompt tokens each row commits)."""
+        width = self.buckets[-1]
+        offsets = jnp.arange(width, dtype=jnp.int32)
+        advance = jnp.clip(state.prefill_end - state.length, 0, width).astype(jnp.int32)
+        chunk = jnp.take_along_axis(state.tokens, state.length[:, None] + offsets, axis=1)
+        chunk = jnp.where(offsets < advance[:, None], chunk, self.cfg.pad_token_id)
+        return jnp.any(advance > 0), chunk, advance
 
     def _loop_fn(self, draft_fn: DraftFn | None = None, sampling: SamplingParams = SamplingParams()):
         """The whole decode, decode_step until every row is done, as one compiled while_loop."""
@@ -364,8 +389,11 @@ class JaxEngine:
 
     def _pad(self, tokens):
         """[B, T] tokens padded to the smallest bucket that holds them (pad rows after the real ones)."""
-        bucket = next(b for b in self.buckets if b >= tokens.shape[1])
+        bucket = self._bucket(tokens.shape[1])
         return jnp.pad(tokens, ((0, 0), (0, bucket - tokens.shape[1])), constant_values=self.cfg.pad_token_id)
+
+    def _bucket(self, num_tokens: int) -> int:
+        return next(b for b in self.buckets if b >= num_tokens)
 
     def commit(self, num_tokens) -> None:
         self.lengths = self.lengths + jnp.asarray(num_tokens, jnp.int32)
@@ -410,7 +438,19 @@ class JaxEngine:
         drafter = draft_fn.begin(self.params, prompts, self.prefill_hidden) if _stateful(draft_fn) else {}
         return self._decode_state(prompts, sampling, done, drafter)
 
+    def _prefill_state(self, prompts: list[list[int]], sampling: SamplingParams) -> DecodeState:
+        """The decode state of prompts not yet prefilled: an empty cache, which the loop's first cycles fill
+        (decode_step's prefill cycles)."""
+        if len(prompts) != self.batch:
+            raise SpecdecError(f"{len(prompts)} prompts for an engine of batch {self.batch}")
+        for prompt in prompts:
+            self._check_prompt(prompt)
+        self.cache = self._reset_fn(self.cache)
+        self.lengths = jnp.zeros(self.batch, jnp.int32)
+        return self._decode_state(prompts, sampling, False, {})
+
     def _decode_state(self, prompts: list[list[int]], sampling: SamplingParams, done: bool, drafter) -> DecodeState:
+        """The loop's state over the engine's cache, the prompts committed (prefill) or still to commit."""
         tokens = np.zeros((self.batch, self.max_seq_len + self.k_max + 1), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
@@ -421,6 +461,7 @@ class JaxEngine:
             generated=jnp.zeros(self.batch, jnp.int32),
             done=jnp.full(self.batch, done),
             cycles=jnp.zeros(self.batch, jnp.int32),
+            prefill_end=jnp.asarray([len(p) - 1 for p in prompts], jnp.int32),
             key=jax.random.PRNGKey(sampling.seed or 0),
             drafter=drafter,
         )
@@ -484,40 +525,62 @@ class JaxFusedCycle:
         self.verifier, self.k, self.sampling = engine, k, sampling
         self.draft_fn = draft_fn if k > 0 else None
         self._steps = engine._steps_fn(cycles_per_call, self.draft_fn, sampling)
+        self._cycles_per_call = cycles_per_call
+        # decode_step prefills in a forward as wide as prefill's chunks, which a stateful drafter's begin
+        # (from prefill's hidden states) cannot wait for.
+        self._prefills_in_cycle = not _stateful(self.draft_fn) and engine._bucket(k + 1) == engine.buckets[-1]
+        self.decode_cycles_in_start = 0  # decode cycles the last start ran with its prefill, handed out first by step
         self.state: DecodeState | None = None
         self._stop: tuple[jax.Array, jax.Array] | None = None
         self._ready: list[CycleResult] = []  # cycles run on the device, not yet handed out
 
     def compile_ahead(self, prompts: list[list[int]], stop: StopCondition) -> None:
-        """Compile the two programs a run needs, prefill's forward and this cycle's, side by side before the
-        first start: XLA compiles without holding the GIL, so a first run waits for the longer of the two,
-        not their sum (3.1 s instead of 7.2 s for the 270M on an H200). Each is lowered with arrays made as
-        the real calls make them, so those calls find it compiled. A stateful drafter's state takes its shape
-        from the drafter's own prefill: with one, the programs compile in turn, at first use."""
+        """Compile what a run needs before its first start, lowered with arrays made as the real calls make
+        them, so those calls find it compiled: this cycle's program, which prefills too; or, where prefill
+        runs on its own (a forward narrower than prefill's chunks), that forward as well, the two side by
+        side (XLA compiles without holding the GIL). A stateful drafter's state takes its shape from the
+        drafter's own prefill: with one, the programs compile in turn, at first use."""
         if _stateful(self.draft_fn):
             return
         engine = self.verifier
-        chunk = np.full((engine.batch, engine.buckets[-1]), engine.cfg.pad_token_id, np.int32)
         state = engine._decode_state(prompts, self.sampling, False, {})
-        lowered = [
-            engine._verify_fn.lower(engine.params, engine.cache, jnp.asarray(chunk), engine.lengths),
-            self._steps.lower(engine.params, state, *_stop_arrays(stop.max_new_tokens, stop.eos_ids), None),
-        ]
+        lowered = [self._steps.lower(engine.params, state, *_stop_arrays(stop.max_new_tokens, stop.eos_ids), None)]
+        if not self._prefills_in_cycle:
+            chunk = np.full((engine.batch, engine.buckets[-1]), engine.cfg.pad_token_id, np.int32)
+            lowered.append(engine._verify_fn.lower(engine.params, engine.cache, jnp.asarray(chunk), engine.lengths))
         with ThreadPoolExecutor(len(lowered)) as pool:
             list(pool.map(lambda program: program.compile(), lowered))
 
     def start(self, prompts: list[list[int]], stop: StopCondition) -> None:
-        self.state = self.verifier._start_decode(prompts, self.sampling, draft_fn=self.draft_fn)
+        """Prefill: where it can, inside the cycle program, whose calls that hold the prefill cycles run here
+        (the decode cycles that end the last of them wait for `step`: `decode_cycles_in_start`); else
+        through prefill's own forward."""
         self._stop = _stop_arrays(stop.max_new_tokens, stop.eos_ids)
         self._ready = []
+        if not self._prefills_in_cycle:
+            self.state = self.verifier._start_decode(prompts, self.sampling, draft_fn=self.draft_fn)
+            self.decode_cycles_in_start = 0
+            return
+        self.state = self.verifier._prefill_state(prompts, self.sampling)
+        chunks = -(-max(len(p) - 1 for p in prompts) // self.verifier.buckets[-1])
+        for _ in range(-(-chunks // self._cycles_per_call)):
+            self._dispatch()
+        self.decode_cycles_in_start = len(self._ready)
 
     def step(self) -> CycleResult:
-        if not self._ready:
-            engine = self.verifier
-            engine.cache = None  # donated to the call
-            engine.dispatches += 1
-            self.state, results = self._steps(engine.params, self.state, *self._stop, _draft_params(self.draft_fn))
-            engine.cache, engine.lengths = self.state.cache, self.state.length
-            stacked = [np.asarray(a) for a in jax.device_get(tuple(results))]
-            self._ready = [CycleResult(*(a[i] for a in stacked)) for i in reversed(range(len(stacked[0])))]
+        while not self._ready:
+            self._dispatch()
         return self._ready.pop()
+
+    def _dispatch(self) -> None:
+        """One call of `cycles_per_call` cycles; their decode cycles' results join the queue (a prefill
+        cycle has none to hand out)."""
+        engine = self.verifier
+        engine.cache = None  # donated to the call
+        engine.dispatches += 1
+        self.state, results = self._steps(engine.params, self.state, *self._stop, _draft_params(self.draft_fn))
+        engine.cache, engine.lengths = self.state.cache, self.state.length
+        results = jax.device_get(results)
+        cycles = [CycleResult(*(np.asarray(a[i]) for a in results[:4])) for i in range(len(results.prefill))
+                  if not results.prefill[i]]
+        self._ready = cycles[::-1] + self._ready

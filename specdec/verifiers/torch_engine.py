@@ -322,6 +322,8 @@ class FusedCycle:
         self.generator = None if sampling.greedy else torch.Generator(device=engine.device)
         self._graph: tuple[torch.cuda.CUDAGraph, tuple] | None = None
 
+    decode_cycles_in_start = 0  # start prefills alone (run_cycles times it apart)
+
     def start(self, prompts: list[list[int]], stop=None) -> None:
         """Prefill the prompts and seed the sampler. Rows stop on the host, but a row that has emitted its token
         budget (`stop.max_new_tokens`) stops advancing on the device: it rides along until every row is done

@@ -117,16 +117,18 @@ def test_jax_cycles_of_equal_settings_share_one_compiled_step(engines):
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED])
 def test_jax_cycles_per_call_change_nothing_but_dispatches(engines, sampling):
     """Eight cycles per compiled call emit what one per call emits; the device stops each row at its token
-    budget, so the cycles run after a row's end commit nothing (13 tokens: a call and 5 of the next 8)."""
+    budget, so the cycles run after a row's end commit nothing. The prompts prefill in one cycle of the same
+    program, so 13 tokens take 1 + 13 calls of one cycle, or a call of the prefill cycle and 7 decode cycles
+    and 6 of the next 8."""
     engine = engines["jax"]
     runs, dispatches = {}, {}
     for cycles in (1, 8):
         cycle = JaxFusedCycle(engine, None, 0, sampling, cycles_per_call=cycles)
         before = engine.dispatches
         runs[cycles] = decode(cycle, 0, 13).tokens
-        dispatches[cycles] = engine.dispatches - before  # the prefill's, then the cycles'
+        dispatches[cycles] = engine.dispatches - before
         assert np.asarray(engine.lengths).tolist() == [len(p) - 1 + 13 for p in PROMPTS]
-    assert dispatches[1] - dispatches[8] == 13 - 2
+    assert dispatches == {1: 1 + 13, 8: 2}
     assert runs[8] == runs[1] and all(len(t) == 13 for t in runs[1])
     k_runs = [decode(JaxFusedCycle(engine, NgramDrafter().device_draft_fn("jax", K), K, sampling, cycles), K).tokens
               for cycles in (1, 8)]

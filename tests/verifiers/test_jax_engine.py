@@ -98,8 +98,9 @@ def test_device_drafter_inside_the_loop_keeps_greedy_output(engine, reference):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints, caplog, temperature):
-    """A first run's two programs (prefill's forward and the fused cycle's) compile side by side before it; the
-    run then finds both compiled (or finds them in the persistent cache, which other tests may have filled)."""
+    """A first run compiles one program holding the forward, the fused cycle's, which prefills too; the run
+    then finds it compiled (or finds it in the persistent cache, which other tests may have filled) and
+    compiles no forward of its own."""
     from specdec.drafters.ngram import NgramDrafter
     from specdec.generate import StopCondition, run_cycles
     from specdec.sampling import SamplingParams
@@ -121,7 +122,7 @@ def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints,
         during_run = [m for m in caplog.messages if compiled.search(m)]
     finally:
         jax.config.update("jax_log_compiles", False)
-    assert ahead == {"steps", "_decode_forward"}
+    assert ahead == {"steps"}
     assert during_run == []
     assert len(ours) == 12
     if temperature == 0.0:
@@ -154,6 +155,40 @@ def test_rows_of_different_lengths(engine):
         pending = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
         out.append(pending.tolist())
     assert [list(row) for row in zip(*out)] == expected
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_fused_cycle_prefills_in_its_own_program_as_prefill_does(engine, temperature):
+    """JaxFusedCycle commits the prompt in its cycle program: 13 prefill cycles here, in calls of 3 cycles,
+    so the fifth call ends in two decode cycles, which the stats time with the prefill. Its tokens are the
+    host-prefilled while_loop's, greedy and sampled (a prefill cycle draws no random numbers)."""
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.generate import StopCondition, run_cycles
+    from specdec.sampling import SamplingParams
+    from specdec.verifiers.jax_engine import JaxFusedCycle
+
+    sampling = SamplingParams(temperature=temperature, seed=5)
+    draft_fn = NgramDrafter().device_draft_fn("jax", K_MAX)
+    expected = engine.generate_fused(PROMPT, 40, draft_fn=draft_fn, sampling=sampling)
+    cycle = JaxFusedCycle(engine, draft_fn, K_MAX, sampling, cycles_per_call=3)
+    before = engine.dispatches
+    run = run_cycles(cycle, [PROMPT], K_MAX, StopCondition(40))
+    assert run.tokens[0] == expected
+    assert cycle.decode_cycles_in_start == 2
+    assert run.stats.untimed_cycles == 2 and 0 < run.stats.untimed_kept < run.stats.kept
+    assert engine.dispatches - before == -(-(13 + run.stats.cycles) // 3)
+
+
+def test_fused_cycle_prefills_rows_of_different_lengths_together(engine):
+    """Batch 2, prompts of 4 and 10 chunks: the shorter row waits for the longer, as prefill runs them, and
+    each row decodes its single-request tokens."""
+    from specdec.generate import StopCondition, run_cycles
+    from specdec.verifiers.jax_engine import JaxFusedCycle
+
+    prompts = [PROMPT[:30], PROMPT[:75]]
+    expected = [engine.generate(p, 6) for p in prompts]
+    batched = JaxEngine(engine.cfg, engine.params, batch=2, max_seq_len=128, k_max=K_MAX)
+    assert run_cycles(JaxFusedCycle(batched, None, 0), prompts, 0, StopCondition(6)).tokens == expected
 
 
 def test_bad_input(engine):
