@@ -99,7 +99,8 @@ class DecodeState(NamedTuple):
     generated: jax.Array  # [B] tokens emitted so far
     done: jax.Array  # [B] bool: hit EOS or max tokens
     cycles: jax.Array  # [B] verify cycles run while not done (tau = generated / cycles)
-    prefill_end: jax.Array  # [B] the committed length a row's prompt ends at (its length - 1); prefill cycles run until every row is there
+    prefill_end: jax.Array  # [B] the committed length where a row's prompt ends (its length - 1)
+    prefill_cycles: jax.Array  # [] prefill cycles left: they commit every row's prompt up to prefill_end
     key: jax.Array  # PRNG key of a sampled decode, split once per cycle (greedy decoding leaves it)
     drafter: dict  # a stateful device drafter's state (EAGLE-3: its KV cache, rows to catch up on); {} if none
 
@@ -238,11 +239,12 @@ class JaxEngine:
             raise SpecdecError(f"the drafter proposes {k} tokens, more than the engine's k_max of {self.k_max}")
         offsets = jnp.arange(k + 1, dtype=jnp.int32)
         tokens = self._pad(jnp.concatenate([pending, draft], axis=1))
+        prefilling = state.prefill_cycles > 0
         if tokens.shape[1] == self.buckets[-1]:  # prompts left to commit take this same forward call
-            prefilling, chunk, advance = self._prefill_chunk(state)
+            chunk, advance = self._prefill_chunk(state)
             tokens = jnp.where(prefilling, chunk, tokens)
         else:  # a narrower forward than prefill's chunks: the prompts were committed before the loop
-            prefilling, advance = jnp.asarray(False), jnp.zeros(B, jnp.int32)
+            advance = jnp.zeros(B, jnp.int32)
         logits, hidden, cache = self._forward(params, state.cache, tokens, state.length)
         if sampling.greedy:
             num_accepted, next_token = accept_greedy(draft, draft_len, logits[:, : k + 1])
@@ -253,11 +255,10 @@ class JaxEngine:
             key = jnp.where(prefilling, state.key, key)  # a prefill cycle draws nothing
         next_token = next_token.astype(jnp.int32)
         # Accepted drafts, then the target's token; entries past it are overwritten by the next cycle. A
-        # prefill cycle writes its buffer's own tokens back (the prompt).
-        written = state.length[:, None] + 1 + offsets
+        # prefill cycle writes nothing (its index is past the buffer's end, where the scatter drops it).
+        written = jnp.where(prefilling, state.tokens.shape[1], state.length[:, None] + 1 + offsets)
         padded_draft = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
         emitted = jnp.where(offsets < num_accepted[:, None], padded_draft, next_token[:, None])
-        emitted = jnp.where(prefilling, state.tokens[rows, written], emitted)
         is_eos = (emitted[..., None] == eos_ids).any(-1) & (offsets <= num_accepted[:, None]) & ~prefilling
         hit_eos = is_eos.any(axis=1)
         count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, num_accepted + 1)
@@ -267,28 +268,29 @@ class JaxEngine:
             drafter_state = draft_fn.observe(draft_params, drafter_state, hidden, emitted, num_accepted + 1, state.length)
         state = DecodeState(
             cache=self._constrain(cache),
-            tokens=state.tokens.at[rows, written].set(emitted),
+            tokens=state.tokens.at[rows, written].set(emitted, mode="drop"),
             length=state.length + jnp.where(prefilling, advance, count),
             generated=generated,
             done=state.done | hit_eos | (generated >= max_new_tokens),
             cycles=state.cycles + (~state.done & ~prefilling).astype(jnp.int32),
             prefill_end=state.prefill_end,
+            prefill_cycles=jnp.maximum(state.prefill_cycles - 1, 0),
             key=key,
             drafter=drafter_state,
         )
         return state, StepResult(num_accepted, next_token, draft, draft_len, prefilling)
 
     def _prefill_chunk(self, state: DecodeState):
-        """A prefill cycle's forward input, as `_feed` builds it: while any row has prompt left to commit,
-        every row takes its next chunk (the rest of its prompt, up to the forward's width, then pads), so all
-        rows start decoding in one cycle, as after `prefill`. -> (prefilling [], tokens [B, W], advance [B]:
-        the prompt tokens each row commits)."""
+        """A prefill cycle's forward input, as `_feed` builds it: every row takes its next chunk (the rest of
+        its prompt, up to the forward's width, then pads; only pads once its prompt is in), so all rows start
+        decoding in one cycle, as after `prefill`. -> (tokens [B, W], advance [B]: the prompt tokens each
+        row commits)."""
         width = self.buckets[-1]
         offsets = jnp.arange(width, dtype=jnp.int32)
         advance = jnp.clip(state.prefill_end - state.length, 0, width).astype(jnp.int32)
         chunk = jnp.take_along_axis(state.tokens, state.length[:, None] + offsets, axis=1)
         chunk = jnp.where(offsets < advance[:, None], chunk, self.cfg.pad_token_id)
-        return jnp.any(advance > 0), chunk, advance
+        return chunk, advance
 
     def _loop_fn(self, draft_fn: DraftFn | None = None, sampling: SamplingParams = SamplingParams()):
         """The whole decode, decode_step until every row is done, as one compiled while_loop."""
@@ -447,10 +449,15 @@ class JaxEngine:
             self._check_prompt(prompt)
         self.cache = self._reset_fn(self.cache)
         self.lengths = jnp.zeros(self.batch, jnp.int32)
-        return self._decode_state(prompts, sampling, False, {})
+        return self._decode_state(prompts, sampling, False, {}, prefilled=False)
 
-    def _decode_state(self, prompts: list[list[int]], sampling: SamplingParams, done: bool, drafter) -> DecodeState:
-        """The loop's state over the engine's cache, the prompts committed (prefill) or still to commit."""
+    def prefill_cycles(self, prompts: list[list[int]]) -> int:
+        """The cycles decode_step takes to commit prompts into an empty cache, a forward's width at a time."""
+        return -(-max(len(p) - 1 for p in prompts) // self.buckets[-1])
+
+    def _decode_state(self, prompts: list[list[int]], sampling: SamplingParams, done: bool, drafter,
+                      prefilled: bool = True) -> DecodeState:
+        """The loop's state over the engine's cache, the prompts committed (`prefilled`) or still to commit."""
         tokens = np.zeros((self.batch, self.max_seq_len + self.k_max + 1), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
@@ -462,6 +469,7 @@ class JaxEngine:
             done=jnp.full(self.batch, done),
             cycles=jnp.zeros(self.batch, jnp.int32),
             prefill_end=jnp.asarray([len(p) - 1 for p in prompts], jnp.int32),
+            prefill_cycles=jnp.asarray(0 if prefilled else self.prefill_cycles(prompts), jnp.int32),
             key=jax.random.PRNGKey(sampling.seed or 0),
             drafter=drafter,
         )
@@ -543,7 +551,7 @@ class JaxFusedCycle:
         if _stateful(self.draft_fn):
             return
         engine = self.verifier
-        state = engine._decode_state(prompts, self.sampling, False, {})
+        state = engine._decode_state(prompts, self.sampling, False, {}, prefilled=not self._prefills_in_cycle)
         lowered = [self._steps.lower(engine.params, state, *_stop_arrays(stop.max_new_tokens, stop.eos_ids), None)]
         if not self._prefills_in_cycle:
             chunk = np.full((engine.batch, engine.buckets[-1]), engine.cfg.pad_token_id, np.int32)
@@ -562,8 +570,7 @@ class JaxFusedCycle:
             self.decode_cycles_in_start = 0
             return
         self.state = self.verifier._prefill_state(prompts, self.sampling)
-        chunks = -(-max(len(p) - 1 for p in prompts) // self.verifier.buckets[-1])
-        for _ in range(-(-chunks // self._cycles_per_call)):
+        for _ in range(-(-self.verifier.prefill_cycles(prompts) // self._cycles_per_call)):
             self._dispatch()
         self.decode_cycles_in_start = len(self._ready)
 
