@@ -200,7 +200,7 @@ def warm_up(cycle, prompts: list[list[int]], k: int, engine_name: str = "torch")
 
     start = time.perf_counter()
     with compile_cache.watch(engine_name) as report:
-        if hasattr(cycle, "compile_ahead"):  # JAX: its programs compile side by side
+        if hasattr(cycle, "compile_ahead"):  # JAX: compile before the first call (one program, or two side by side)
             cycle.compile_ahead(prompts, StopCondition(2))
         run_cycles(cycle, prompts, k, StopCondition(2))
     return time.perf_counter() - start, report
