@@ -351,7 +351,8 @@ class JaxEngine:
 
     def _feed(self, contexts: dict[int, list[int]]) -> None:
         """Commit tokens into rows (row -> tokens) through the decode forward, a forward's width at a time.
-        One compiled program then serves prefill and decoding, so a first run compiles once. Pads fill
+        The compiled forward is the host-driven verify's (JaxFusedCycle's cycle program prefills in its
+        own cycles instead, decode_step's prefill cycles, which build their chunks as this does). Pads fill
         the rest of each forward, and the other rows run pads too: all of them lie within one forward's
         width past their row's committed length, which is what rejected drafts take and what the
         sliding-window ring is sized for."""
