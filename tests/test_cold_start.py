@@ -34,8 +34,9 @@ def test_a_second_run_reuses_the_compiled_programs(ckpt, tmp_path, engine):
     assert first_out == again_out and first_out.startswith(PROMPT)
     first, again = STATS.search(first_stats), STATS.search(again_stats)
     assert first and again, (first_stats, again_stats)
-    if engine == "jax":  # XLA's persistent cache, in the user's cache directory
-        assert first["cache"] == "cache miss" and again["cache"] == "cache hit"
+    if engine == "jax":  # XLA's persistent cache, in the user's cache directory; the weights' transfer may overlap it
+        assert re.fullmatch(r"cache miss(; [\d.]+ s of it beside loading)?", first["cache"]), first_stats
+        assert re.fullmatch(r"cache hit(; [\d.]+ s of it beside loading)?", again["cache"]), again_stats
         assert any((tmp_path / "cache" / "xla").iterdir())
     else:  # the CPU engine runs eagerly: nothing to compile, nothing to claim
         assert first["cache"] is None and again["cache"] is None

@@ -42,9 +42,13 @@ def load_params(path: str | Path, dtype=None) -> tuple[GemmaConfig, Params]:
     """Config and device arrays of a HF checkpoint directory, cast to `dtype` (default_dtype() if None).
     Tensors are read memory-mapped and cast on the device."""
     cfg, tensors = load_checkpoint(path, framework="numpy")
-    # One transfer call for every tensor (they overlap) and one compiled cast, rather than a transfer and
-    # an eagerly dispatched cast per tensor.
-    return cfg, _cast_params(jax.device_put(tensors), jnp.dtype(dtype or default_dtype()))
+    return cfg, to_device(tensors, dtype)
+
+
+def to_device(tensors: dict[str, np.ndarray], dtype=None) -> Params:
+    """Host tensors as device arrays of `dtype` (default_dtype() if None): one transfer call for every tensor
+    (they overlap) and one compiled cast, rather than a transfer and an eagerly dispatched cast per tensor."""
+    return _cast_params(jax.device_put(tensors), jnp.dtype(dtype or default_dtype()))
 
 
 @partial(jax.jit, static_argnums=1)

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple
 
 import jax
@@ -40,7 +41,8 @@ from specdec.acceptance.jax_rule import accept_greedy, accept_sampled
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, StopCondition, check_context
 from specdec.models.config import GemmaConfig, check_tensor_parallel, decode_width, round_up, tp_split_axis
-from specdec.models.jax_gemma import Cache, Params, forward, init_cache, load_params, reset_cache
+from specdec.models.checkpoint import load_checkpoint
+from specdec.models.jax_gemma import Cache, Params, default_dtype, forward, init_cache, load_params, reset_cache, to_device
 from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams
 
@@ -171,7 +173,14 @@ class JaxEngine:
         self.hidden_layers = tuple(hidden_layers)
         self.invariant = invariant
         self.buckets = (self.width,) if invariant else tuple(sorted({1, k_max + 1}))
-        self.params = shard_params(params, cfg, mesh) if mesh is not None else params
+        self._params = shard_params(params, cfg, mesh) if mesh is not None else params
+        # What programs are lowered against: the weights' shapes, known before the weights themselves arrive;
+        # with a mesh, their shardings too (on one device, a sharding named here would lower another program
+        # than the call with the arrays does).
+        self.param_shapes = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if mesh is not None else None)
+                             for name, a in self._params.items()}
+        self._params_in_transfer: Future | None = None  # from_checkpoint(background=True)
+        self.weights_ready_at: float | None = None  # perf_counter when a background transfer ended
         dtype = params["embed_tokens.weight"].dtype
         self.lookahead = lookahead
         cache = init_cache(cfg, batch, max_seq_len, k_max, dtype, lookahead)
@@ -192,9 +201,35 @@ class JaxEngine:
         self.prefill_hidden: list[np.ndarray | None] = [None] * batch
 
     @classmethod
-    def from_checkpoint(cls, path, dtype=None, **kwargs) -> "JaxEngine":
-        cfg, params = load_params(path, dtype)
-        return cls(cfg, params, **kwargs)
+    def from_checkpoint(cls, path, dtype=None, background: bool = False, **kwargs) -> "JaxEngine":
+        """The engine of a HF checkpoint directory. `background`: the checkpoint is read and checked now, and
+        its weights go to the device in a thread, so that programs compile meanwhile (against param_shapes);
+        `params` waits for them (and raises what the transfer raised)."""
+        if not background:
+            cfg, params = load_params(path, dtype)
+            return cls(cfg, params, **kwargs)
+        cfg, tensors = load_checkpoint(path, framework="numpy")
+        dtype = jnp.dtype(dtype or default_dtype())
+        engine = cls(cfg, {name: jax.ShapeDtypeStruct(t.shape, dtype) for name, t in tensors.items()}, **kwargs)
+
+        def transfer():
+            params = to_device(tensors, dtype)
+            jax.block_until_ready(params)
+            engine.weights_ready_at = time.perf_counter()
+            return params
+
+        pool = ThreadPoolExecutor(1)
+        engine._params_in_transfer = pool.submit(transfer)
+        pool.shutdown(wait=False)  # its thread ends with the transfer
+        return engine
+
+    @property
+    def params(self) -> Params:
+        """The weights on the device; waits for a transfer still under way (from_checkpoint's background)."""
+        if self._params_in_transfer is not None:
+            self._params = self._params_in_transfer.result()
+            self._params_in_transfer = None
+        return self._params
 
     # -- compiled bodies ----------------------------------------------------------------------------------
 
@@ -539,31 +574,43 @@ class JaxFusedCycle:
         # (from prefill's hidden states) cannot wait for.
         self._prefills_in_cycle = not _stateful(self.draft_fn) and engine._bucket(k + 1) == engine.buckets[-1]
         self.decode_cycles_in_start = 0  # decode cycles the last start ran with its prefill, handed out first by step
+        self._compiling: list[Future] = []  # compile_ahead's compilations under way
         self.state: DecodeState | None = None
         self._stop: tuple[jax.Array, jax.Array] | None = None
         self._ready: list[CycleResult] = []  # cycles run on the device, not yet handed out
 
-    def compile_ahead(self, prompts: list[list[int]], stop: StopCondition) -> None:
-        """Compile what a run needs before its first start, lowered with arrays made as the real calls make
-        them, so those calls find it compiled: this cycle's program, which prefills too; or, where prefill
-        runs on its own (a forward narrower than prefill's chunks), that forward as well, the two side by
-        side (XLA compiles without holding the GIL). A stateful drafter's state takes its shape from the
-        drafter's own prefill: with one, the programs compile in turn, at first use."""
+    def compile_ahead(self, stop: StopCondition) -> None:
+        """Start compiling what a run needs, in threads, and return: `start` waits for it. That is this
+        cycle's program, which prefills too; or, where prefill runs on its own (a forward narrower than
+        prefill's chunks), that forward as well, the two side by side. The programs are lowered here (which
+        holds the GIL) against the weights' shapes, so they need not wait for the weights' transfer, and
+        with arrays made as the real calls make them, so those calls find them compiled; XLA compiles
+        without the GIL. Prompt lengths do not enter the programs. A stateful drafter's state takes its
+        shape from the drafter's own prefill: with one, the programs compile in turn, at first use."""
         if _stateful(self.draft_fn):
             return
         engine = self.verifier
+        prompts = [[engine.cfg.pad_token_id]] * engine.batch
         state = engine._decode_state(prompts, self.sampling, False, {}, prefilled=not self._prefills_in_cycle)
-        lowered = [self._steps.lower(engine.params, state, *_stop_arrays(stop.max_new_tokens, stop.eos_ids), None)]
+        lowered = [self._steps.lower(engine.param_shapes, state, *_stop_arrays(stop.max_new_tokens, stop.eos_ids), None)]
         if not self._prefills_in_cycle:
             chunk = np.full((engine.batch, engine.buckets[-1]), engine.cfg.pad_token_id, np.int32)
-            lowered.append(engine._verify_fn.lower(engine.params, engine.cache, jnp.asarray(chunk), engine.lengths))
-        with ThreadPoolExecutor(len(lowered)) as pool:
-            list(pool.map(lambda program: program.compile(), lowered))
+            lowered.append(engine._verify_fn.lower(engine.param_shapes, engine.cache, jnp.asarray(chunk), engine.lengths))
+        pool = ThreadPoolExecutor(len(lowered))
+        self._compiling = [pool.submit(program.compile) for program in lowered]
+        pool.shutdown(wait=False)
+
+    def wait_compiled(self) -> None:
+        """Wait for compile_ahead's compilations, raising what they raised."""
+        for compiling in self._compiling:
+            compiling.result()
+        self._compiling = []
 
     def start(self, prompts: list[list[int]], stop: StopCondition) -> None:
         """Prefill: where it can, inside the cycle program, whose calls that hold the prefill cycles run here
         (the decode cycles that end the last of them wait for `step`: `decode_cycles_in_start`); else
         through prefill's own forward."""
+        self.wait_compiled()
         self._stop = _stop_arrays(stop.max_new_tokens, stop.eos_ids)
         self._ready = []
         if not self._prefills_in_cycle:

@@ -97,16 +97,19 @@ def test_device_drafter_inside_the_loop_keeps_greedy_output(engine, reference):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints, caplog, temperature):
-    """A first run compiles one program holding the forward, the fused cycle's, which prefills too; the run
-    then finds it compiled (or finds it in the persistent cache, which other tests may have filled) and
-    compiles no forward of its own."""
+@pytest.mark.parametrize("background", [False, True])
+def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints, caplog, temperature, background):
+    """A first run compiles one program holding the forward, the fused cycle's, which prefills too. It is
+    lowered against the weights' shapes, before they reach the device where the engine moves them in the
+    background; the run with the weights then finds it compiled (or finds it in the persistent cache, which
+    other tests may have filled) and compiles no forward of its own."""
     from specdec.drafters.ngram import NgramDrafter
     from specdec.generate import StopCondition, run_cycles
     from specdec.sampling import SamplingParams
     from specdec.verifiers.jax_engine import JaxFusedCycle
 
-    fresh = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=256, k_max=K_MAX)
+    fresh = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=256, k_max=K_MAX,
+                                      background=background)
     sampling = SamplingParams(temperature=temperature, seed=2)
     cycle = JaxFusedCycle(fresh, NgramDrafter().device_draft_fn("jax", K_MAX), K_MAX, sampling)
     compiled = re.compile(r"Finished XLA compilation of jit\((steps|_decode_forward)\)|"
@@ -115,7 +118,8 @@ def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints,
     jax.config.update("jax_log_compiles", True)  # globally: a config context would not reach the compiling threads
     try:
         caplog.clear()
-        cycle.compile_ahead([PROMPT[:20]], stop)
+        cycle.compile_ahead(stop)
+        cycle.wait_compiled()
         ahead = {m.group(1) or m.group(2) for m in map(compiled.search, caplog.messages) if m}
         caplog.clear()
         ours = run_cycles(cycle, [PROMPT[:20]], K_MAX, stop).tokens[0]
@@ -189,6 +193,29 @@ def test_fused_cycle_prefills_rows_of_different_lengths_together(engine):
     expected = [engine.generate(p, 6) for p in prompts]
     batched = JaxEngine(engine.cfg, engine.params, batch=2, max_seq_len=128, k_max=K_MAX)
     assert run_cycles(JaxFusedCycle(batched, None, 0), prompts, 0, StopCondition(6)).tokens == expected
+
+
+def test_weights_moved_in_the_background_are_the_checkpoints(random_checkpoints, engine, monkeypatch):
+    """from_checkpoint(background=True) returns before the weights are on the device, with their shapes for
+    lowering; `params` waits for the same arrays a synchronous load makes, and raises what the transfer raised."""
+    from specdec.verifiers import jax_engine
+
+    later = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=1024, k_max=K_MAX,
+                                      background=True)
+    assert later.param_shapes.keys() == engine.params.keys()
+    assert all(later.param_shapes[n].shape == a.shape and later.param_shapes[n].dtype == a.dtype
+               for n, a in engine.params.items())
+    assert all(np.array_equal(later.params[n], a) for n, a in engine.params.items())
+    assert later.weights_ready_at is not None
+
+    def fail(tensors, dtype):
+        raise MemoryError("out of device memory")
+
+    monkeypatch.setattr(jax_engine, "to_device", fail)
+    failing = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=64, k_max=K_MAX,
+                                        background=True)
+    with pytest.raises(MemoryError, match="out of device memory"):
+        failing.params
 
 
 def test_bad_input(engine):
