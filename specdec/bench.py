@@ -324,8 +324,9 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: Benc
             accepted_at = [sum(s.accepted_at[i] for s in stats) for i in range(k)] if stats else []
             drafted_at = [sum(s.drafted_at[i] for s in stats) for i in range(k)] if stats else []
             ours_plain = tok_s(Method(engine, 0)) if engine != PEER else None
-            # A cycle's cost is decoding time over cycles: each prompt's prefill is reported on its own.
-            timed_cycles = cycles - sum(s.untimed_cycles for s in stats)
+            # A cycle's cost is decoding time over the cycles the device ran in it: each prompt's prefill is
+            # reported on its own.
+            timed_cycles = sum(s.timed_device_cycles for s in stats)
             cycle_s = sum(s.decode_s for s in stats) / timed_cycles if timed_cycles else None
             results.append({
                 "method": method.name, "engine": engine, "drafter": method.drafter if k else None, "k": k,

@@ -35,8 +35,8 @@ class SpecStats:
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     rejected_at: list[int] = field(default_factory=list)  # row 0's emitted-token index of each rejected draft
-    untimed_cycles: int = 0  # of `cycles`, those timed with the prefill
-    untimed_kept: int = 0  # of `kept`, those of untimed cycles
+    untimed_kept: int = 0  # of `kept`, those of cycles timed with the prefill
+    timed_device_cycles: int = 0  # cycles the device ran within decode_s (a JAX call runs 8, the last past the end)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     baseline_tok_s: float | None = None  # plain decoding on the same engine and path (compare_plain)
@@ -58,7 +58,6 @@ class SpecStats:
         self.emitted += emitted
         self.kept += kept
         if not timed:
-            self.untimed_cycles += 1
             self.untimed_kept += kept
         self.drafted += draft_len
         self.accepted += num_accepted
@@ -274,6 +273,7 @@ class HostCycle:
 
     def __init__(self, verifier: Verifier, drafter: Drafter | None, k: int, sampling: SamplingParams):
         self.verifier, self.drafter, self.k = verifier, drafter, k
+        self.device_cycles = 0  # cycles run, one per step
         self.ops = _Ops(verifier, sampling)
 
     def start(self, prompts: list[list[int]], stop: StopCondition | None = None) -> None:
@@ -290,6 +290,7 @@ class HostCycle:
             self.drafter.begin(prompts)
 
     def step(self) -> CycleResult:
+        self.device_cycles += 1
         ops = self.ops
         live = self.generated < self.budget
         draft = ops.on_device(self.drafter.propose(self.k)) if self.k > 0 else ops.empty_draft(self.batch)
@@ -327,7 +328,7 @@ def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
     cycle.start(prompts, stop)
     synchronize(cycle.verifier)
     stats.prefill_s = time.perf_counter() - start
-    untimed = cycle.decode_cycles_in_start
+    untimed, device_cycles = cycle.decode_cycles_in_start, cycle.device_cycles
     start = time.perf_counter()
     while not all(done):
         result = cycle.step()
@@ -343,6 +344,7 @@ def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
             if on_tokens is not None:
                 on_tokens(b, kept)
     stats.decode_s = time.perf_counter() - start  # the last step read its results: nothing is in flight
+    stats.timed_device_cycles = cycle.device_cycles - device_cycles
     return Generation(rows, stats)
 
 

@@ -575,6 +575,7 @@ class JaxFusedCycle:
         self._prefills_in_cycle = not _stateful(self.draft_fn) and engine._bucket(k + 1) == engine.buckets[-1]
         self.decode_cycles_in_start = 0  # decode cycles the last start ran with its prefill, handed out first by step
         self._compiling: list[Future] = []  # compile_ahead's compilations under way
+        self.device_cycles = 0  # cycles run on the device, cycles_per_call per call (prefill's included)
         self.state: DecodeState | None = None
         self._stop: tuple[jax.Array, jax.Array] | None = None
         self._ready: list[CycleResult] = []  # cycles run on the device, not yet handed out
@@ -633,6 +634,7 @@ class JaxFusedCycle:
         engine = self.verifier
         engine.cache = None  # donated to the call
         engine.dispatches += 1
+        self.device_cycles += self._cycles_per_call
         self.state, results = self._steps(engine.params, self.state, *self._stop, _draft_params(self.draft_fn))
         engine.cache, engine.lengths = self.state.cache, self.state.length
         results = jax.device_get(results)

@@ -321,6 +321,7 @@ class FusedCycle:
         self.limit = torch.zeros_like(self.context_len)  # a row advances while context_len < limit
         self.generator = None if sampling.greedy else torch.Generator(device=engine.device)
         self._graph: tuple[torch.cuda.CUDAGraph, tuple] | None = None
+        self.device_cycles = 0  # cycles run, one per step
 
     decode_cycles_in_start = 0  # start prefills alone (run_cycles times it apart)
 
@@ -409,6 +410,7 @@ class FusedCycle:
         self._graph = (graph, outputs)
 
     def step(self) -> CycleResult:
+        self.device_cycles += 1
         if self.verifier.use_graphs:
             if self._graph is None:
                 self._capture()
