@@ -206,24 +206,26 @@ def make_cycle(target: Target, drafter: str, k: int, sampling: SamplingParams, f
 class WarmUp:
     """Compile and capture what a run of `cycle` uses. A JAX cycle starts compiling in threads when this is
     made, beside whatever the caller does next (encoding the prompts; the weights' transfer); `finish` runs
-    two tokens of the cycle on the prompts -> (seconds since this was made, the persistent caches' hits and
-    misses). The run timed next then measures decoding alone."""
+    two tokens of the cycle on the prompts -> (seconds since `started`: the compile's start, else finish's,
+    the persistent caches' hits and misses). The run timed next then measures decoding alone."""
 
     def __init__(self, cycle, engine_name: str = "torch"):
         from specdec import compile_cache
 
-        self.cycle, self.start = cycle, time.perf_counter()
+        self.cycle, self.started = cycle, None
         self._watch = compile_cache.watch(engine_name)  # counts the compiling threads' events too
         self.report = self._watch.__enter__()
         if hasattr(cycle, "compile_ahead"):
+            self.started = time.perf_counter()
             cycle.compile_ahead(StopCondition(2))
 
     def finish(self, prompts: list[list[int]], k: int):
+        self.started = self.started or time.perf_counter()
         try:
             run_cycles(self.cycle, prompts, k, StopCondition(2))
         finally:
             self._watch.__exit__(None, None, None)
-        return time.perf_counter() - self.start, self.report
+        return time.perf_counter() - self.started, self.report
 
 
 def warm_up(cycle, prompts: list[list[int]], k: int, engine_name: str = "torch"):
@@ -395,7 +397,7 @@ def generate(
     stats = result.stats
     stats.baseline_tok_s, stats.load_s, stats.compile_s, stats.compile_cache = (
         baseline, target.weights_ready_at - target.load_started, compile_s, cache_report.label)
-    if (beside := target.weights_ready_at - warm.start) >= 0.05:  # the set-up's two parts overlapped
+    if (beside := target.weights_ready_at - warm.started) >= 0.05:  # the set-up's two parts overlapped
         stats.compile_cache = "; ".join(filter(None, [stats.compile_cache, f"{beside:.1f} s of it beside loading"]))
     if on_text is not None:
         for row, dec in enumerate(decoders):
