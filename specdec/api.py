@@ -33,6 +33,12 @@ class Target:
     load_s: float = 0.0  # reading the tokenizer and weights, building the engine (the JAX engine's transfer aside)
     load_started: float = 0.0  # perf_counter when load began
 
+    def check_tokenizer(self) -> None:
+        """The tokenizer's ids must all be the model's (waits for a tokenizer still being parsed in a child)."""
+        if self.tokenizer.vocab_size > self.config.vocab_size:
+            raise SpecdecError(f"{self.path}: tokenizer has {self.tokenizer.vocab_size} tokens, the model "
+                               f"{self.config.vocab_size}")
+
     @property
     def weights_ready_at(self) -> float:
         """perf_counter when the weights were on the device: after load returned where the JAX engine moved
@@ -84,7 +90,9 @@ def load(
 
     `tokenizer_in_child`, for one-off generations: the tokenizer is parsed in a child process while this one
     loads the engine, which takes its parse (about 1.4 s for Gemma's, holding the GIL) off the cold start; each
-    encode and decode is then a round trip to that process, so servers and benchmarks keep it in this one."""
+    encode and decode is then a round trip to that process, so servers and benchmarks keep it in this one.
+    `generate` then checks the tokenizer against the model (Target.check_tokenizer), after its programs start
+    compiling, rather than load waiting for the parse."""
     if engine not in ENGINES:
         raise SpecdecError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     if k_max < 0:
@@ -96,9 +104,10 @@ def load(
     tokenizer = Tokenizer.from_dir(path, in_child=tokenizer_in_child)
     verifier, cfg = _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant,
                                  compile, tensor_parallel)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise SpecdecError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {cfg.vocab_size}")
-    return Target(path, cfg, tokenizer, verifier, engine, time.perf_counter() - start, start)
+    target = Target(path, cfg, tokenizer, verifier, engine, time.perf_counter() - start, start)
+    if not tokenizer_in_child:  # else generate checks, once its programs compile: the parse may be under way
+        target.check_tokenizer()
+    return target
 
 
 def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant, compile,
@@ -374,6 +383,7 @@ def generate(
     cycle = make_cycle(target, drafter, k, sampling, fused)
     k = cycle.k  # 0 without a drafter
     warm = WarmUp(cycle, target.engine_name)  # JAX: compiling from here on, beside the encoding and the weights' transfer
+    target.check_tokenizer()
     if chat:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         ids = [tok.encode(p, add_bos=False) for p in prompts]

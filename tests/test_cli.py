@@ -90,6 +90,24 @@ def test_bad_flags(ckpt, flags, needle):
     one_line_error(code, err, needle)
 
 
+@pytest.mark.parametrize("engine", ["torch", "jax"])
+def test_a_tokenizer_larger_than_the_model(random_checkpoints, ckpt, tmp_path, engine):
+    """The real tokenizer (262,144 ids) on a model of 512: load refuses it, and so does generate, which checks
+    it after its program starts compiling (the CLI parses the tokenizer in a child meanwhile)."""
+    import shutil
+
+    import specdec
+    from specdec.errors import SpecdecError
+
+    small = shutil.copytree(random_checkpoints["gemma3"], tmp_path / "small")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ckpt / name, small / name)
+    with pytest.raises(SpecdecError, match="tokenizer has 262144 tokens, the model 512"):
+        specdec.load(small, engine=engine)
+    code, _, err = run("generate", "Hello", "--target", str(small), "--engine", engine, "--max-new-tokens", "4")
+    one_line_error(code, err, "tokenizer has 262144 tokens, the model 512")
+
+
 @pytest.mark.parametrize("sampling", [[], ["--temperature", "0.7", "--top-p", "0.9", "--seed", "3"]])
 def test_fused_cycle_from_the_cli(ckpt, sampling):
     """On CPU the fused cycle runs eagerly: the host loop's text, greedy and (one seed) sampled alike."""
