@@ -358,14 +358,18 @@ class JaxEngine:
 
     def prefill(self, prompts: list[list[int]]) -> jax.Array:
         """Commit each row's prompt but its last token; returns the last prompt tokens [B] (pending)."""
+        self._empty_for(prompts)
+        self._feed(dict(enumerate(p[:-1] for p in prompts)))
+        return jnp.asarray([p[-1] for p in prompts], jnp.int32)
+
+    def _empty_for(self, prompts: list[list[int]]) -> None:
+        """Check one prompt per row, then empty every row's cache, ready to commit them."""
         if len(prompts) != self.batch:
             raise SpecdecError(f"{len(prompts)} prompts for an engine of batch {self.batch}")
         for prompt in prompts:
             self._check_prompt(prompt)
         self.cache = self._reset_fn(self.cache)
         self.lengths = jnp.zeros(self.batch, jnp.int32)
-        self._feed(dict(enumerate(p[:-1] for p in prompts)))
-        return jnp.asarray([p[-1] for p in prompts], jnp.int32)
 
     def prefill_row(self, row: int, prompt: list[int]) -> jax.Array:
         """Start a new request in one row, leaving the other rows' requests as they are (continuous
@@ -479,12 +483,7 @@ class JaxEngine:
     def _prefill_state(self, prompts: list[list[int]], sampling: SamplingParams) -> DecodeState:
         """The decode state of prompts not yet prefilled: an empty cache, which the loop's first cycles fill
         (decode_step's prefill cycles)."""
-        if len(prompts) != self.batch:
-            raise SpecdecError(f"{len(prompts)} prompts for an engine of batch {self.batch}")
-        for prompt in prompts:
-            self._check_prompt(prompt)
-        self.cache = self._reset_fn(self.cache)
-        self.lengths = jnp.zeros(self.batch, jnp.int32)
+        self._empty_for(prompts)
         return self._decode_state(prompts, sampling, False, {}, prefilled=False)
 
     def prefill_cycles(self, prompts: list[list[int]]) -> int:
