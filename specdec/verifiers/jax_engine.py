@@ -158,9 +158,11 @@ class JaxEngine:
         mesh: Mesh | None = None,
         invariant: bool = True,
         lookahead: int = 0,
+        allocate_cache: bool = True,
     ):
         """`lookahead`: extra sliding-ring slots for decode forwards chained past the committed length
-        (GemmaConfig.cache_slots), for an engine that drafts (specdec.drafters.model)."""
+        (GemmaConfig.cache_slots), for an engine that drafts (specdec.drafters.model). `allocate_cache`
+        False: the caller makes the cache (from_checkpoint's background transfer, beside the weights)."""
         for layer in hidden_layers:
             if not 0 <= layer < cfg.num_layers:
                 raise SpecdecError(f"hidden layer {layer} out of range (the model has {cfg.num_layers} layers)")
@@ -179,21 +181,28 @@ class JaxEngine:
         # than the call with the arrays does).
         self.param_shapes = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if mesh is not None else None)
                              for name, a in self._params.items()}
-        self._params_in_transfer: Future | None = None  # from_checkpoint(background=True)
+        # from_checkpoint(background=True): the transfer of (weights, cache), before and after it starts
+        self._transfer: Callable[[], tuple[Params, Cache]] | None = None
+        self._in_transfer: Future | None = None
         self.weights_ready_at: float | None = None  # perf_counter when a background transfer ended
-        dtype = params["embed_tokens.weight"].dtype
         self.lookahead = lookahead
-        cache = init_cache(cfg, batch, max_seq_len, k_max, dtype, lookahead)
-        self._cache_shardings = cache_shardings(cache, mesh) if mesh is not None else None
-        self.cache = jax.device_put(cache, self._cache_shardings) if mesh is not None else cache
-        self.lengths = jnp.zeros(batch, jnp.int32)
+        # Like param_shapes: the cache's shapes, for lowering programs before the cache exists.
+        self.cache_shapes = jax.eval_shape(functools.partial(
+            init_cache, cfg, batch, max_seq_len, k_max, params["embed_tokens.weight"].dtype, lookahead))
+        self._cache_shardings = None
+        if mesh is not None:  # lowered with the shardings the cache will have (as param_shapes)
+            self._cache_shardings = cache_shardings(self.cache_shapes, mesh)
+            self.cache_shapes = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                             self.cache_shapes, self._cache_shardings)
+        self._cache = self._new_cache() if allocate_cache else None
+        self.lengths = self._zero_lengths()
         self.dispatches = 0  # compiled calls made from the host (generate_fused makes one for the decode)
         # Every program that runs the decode forward (prefill's, each decode step's, a model drafter's
         # chained steps) calls this one jitted forward: JAX traces the layers once per process, not once
         # per program (0.4-0.6 s of a cold start for the 270M), and XLA inlines the call.
         self._forward = jax.jit(self._decode_forward)
         self._verify_fn = jax.jit(self._forward, donate_argnums=1)
-        self._reset_fn = jax.jit(lambda cache: self._constrain(reset_cache(cache)), donate_argnums=0)
+        self._reset_fn = jax.jit(self._reset, donate_argnums=0)
         self._reset_row_fn = jax.jit(self._reset_row, donate_argnums=0)
         self._decode_fns: dict[tuple, Callable] = {}  # compiled decode loops and steps (see _decode_fn)
         # Per row, the hidden states of `hidden_layers` at its committed prompt positions [P-1, n, H] (an
@@ -203,33 +212,68 @@ class JaxEngine:
     @classmethod
     def from_checkpoint(cls, path, dtype=None, background: bool = False, **kwargs) -> "JaxEngine":
         """The engine of a HF checkpoint directory. `background`: the checkpoint is read and checked now, and
-        its weights go to the device in a thread, so that programs compile meanwhile (against param_shapes);
-        `params` waits for them (and raises what the transfer raised)."""
+        its weights and the cache go to the device in a thread, so that programs compile meanwhile (against
+        param_shapes and cache_shapes). The thread starts at `start_transfer` or at the first use of `params`
+        or `cache`, which wait for it (and raise what it raised)."""
         if not background:
             cfg, params = load_params(path, dtype)
             return cls(cfg, params, **kwargs)
         cfg, tensors = load_checkpoint(path, framework="numpy")
         dtype = jnp.dtype(dtype or default_dtype())
-        engine = cls(cfg, {name: jax.ShapeDtypeStruct(t.shape, dtype) for name, t in tensors.items()}, **kwargs)
+        engine = cls(cfg, {name: jax.ShapeDtypeStruct(t.shape, dtype) for name, t in tensors.items()},
+                     allocate_cache=False, **kwargs)
 
         def transfer():
-            params = to_device(tensors, dtype)
-            jax.block_until_ready(params)
+            # The cache here too: on a first run its constructors compile small programs (about 0.5 s on an H200).
+            params, cache = to_device(tensors, dtype), engine._new_cache()
+            jax.block_until_ready((params, cache))
             engine.weights_ready_at = time.perf_counter()
-            return params
+            return params, cache
 
-        pool = ThreadPoolExecutor(1)
-        engine._params_in_transfer = pool.submit(transfer)
-        pool.shutdown(wait=False)  # its thread ends with the transfer
+        engine._transfer = transfer
         return engine
+
+    def start_transfer(self) -> None:
+        """Start from_checkpoint's background transfer, if it has not started. JaxFusedCycle.compile_ahead
+        starts it once its programs are lowered: started before, the transfer slowed the lowering by about
+        0.5 s on an H200 (the GIL; docs/benchmarks.md, issue 8)."""
+        if self._transfer is not None:
+            pool = ThreadPoolExecutor(1)
+            self._in_transfer = pool.submit(self._transfer)
+            self._transfer = None
+            pool.shutdown(wait=False)  # its thread ends with the transfer
+
+    def _wait_for_transfer(self) -> None:
+        """Take the weights and cache of a background transfer, once there (raising what it raised)."""
+        self.start_transfer()
+        if self._in_transfer is not None:
+            self._params, self._cache = self._in_transfer.result()
+            self._in_transfer = None
 
     @property
     def params(self) -> Params:
         """The weights on the device; waits for a transfer still under way (from_checkpoint's background)."""
-        if self._params_in_transfer is not None:
-            self._params = self._params_in_transfer.result()
-            self._params_in_transfer = None
+        self._wait_for_transfer()
         return self._params
+
+    @property
+    def cache(self) -> Cache:
+        """The KV cache on the device (None while donated to a call); waits like `params`."""
+        self._wait_for_transfer()
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: Cache | None) -> None:
+        self._wait_for_transfer()
+        self._cache = cache
+
+    def _new_cache(self) -> Cache:
+        cache = init_cache(self.cfg, self.batch, self.max_seq_len, self.k_max, self.param_shapes["embed_tokens.weight"].dtype,
+                           self.lookahead)
+        return jax.device_put(cache, self._cache_shardings) if self._cache_shardings is not None else cache
+
+    def _zero_lengths(self) -> jax.Array:
+        return jax.device_put(np.zeros(self.batch, np.int32))  # moved, not built by a compiled program
 
     # -- compiled bodies ----------------------------------------------------------------------------------
 
@@ -245,6 +289,10 @@ class JaxEngine:
         logits, hidden, cache = forward(params, self.cfg, tokens, positions, cache, self.hidden_layers,
                                         commit_first=True)
         return jax.lax.optimization_barrier(logits), hidden, self._constrain(cache)
+
+    def _reset(self, cache: Cache) -> Cache:
+        """Every slot empty again."""
+        return self._constrain(reset_cache(cache))
 
     def _reset_row(self, cache: Cache, row) -> Cache:
         """Every slot of one row empty again."""
@@ -369,7 +417,7 @@ class JaxEngine:
         for prompt in prompts:
             self._check_prompt(prompt)
         self.cache = self._reset_fn(self.cache)
-        self.lengths = jnp.zeros(self.batch, jnp.int32)
+        self.lengths = self._zero_lengths()
 
     def prefill_row(self, row: int, prompt: list[int]) -> jax.Array:
         """Start a new request in one row, leaving the other rows' requests as they are (continuous
@@ -491,23 +539,23 @@ class JaxEngine:
         return -(-max(len(p) - 1 for p in prompts) // self.buckets[-1])
 
     def _decode_state(self, prompts: list[list[int]], sampling: SamplingParams, done: bool, drafter,
-                      prefilled: bool = True) -> DecodeState:
-        """The loop's state over the engine's cache, the prompts committed (`prefilled`) or still to commit."""
+                      prefilled: bool = True, cache: Cache | None = None) -> DecodeState:
+        """The loop's state over the engine's cache (or `cache`), the prompts committed (`prefilled`) or still
+        to commit."""
         tokens = np.zeros((self.batch, self.max_seq_len + self.k_max + 1), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
-        return DecodeState(
-            cache=self.cache,
-            tokens=jnp.asarray(tokens),
-            length=self.lengths,
-            generated=jnp.zeros(self.batch, jnp.int32),
-            done=jnp.full(self.batch, done),
-            cycles=jnp.zeros(self.batch, jnp.int32),
-            prefill_end=jnp.asarray([len(p) - 1 for p in prompts], jnp.int32),
-            prefill_cycles=jnp.asarray(0 if prefilled else self.prefill_cycles(prompts), jnp.int32),
-            key=jax.random.PRNGKey(sampling.seed or 0),
-            drafter=drafter,
-        )
+        # Built on the host and moved in one call: jnp's constructors would each compile a program on a first run.
+        host = jax.device_put(dict(
+            tokens=tokens,
+            generated=np.zeros(self.batch, np.int32),
+            done=np.full(self.batch, done),
+            cycles=np.zeros(self.batch, np.int32),
+            prefill_end=np.asarray([len(p) - 1 for p in prompts], np.int32),
+            prefill_cycles=np.int32(0 if prefilled else self.prefill_cycles(prompts)),
+        ))
+        return DecodeState(cache=self.cache if cache is None else cache, length=self.lengths,
+                           key=jax.random.PRNGKey(sampling.seed or 0), drafter=drafter, **host)
 
     def decode_fused(self, state: DecodeState, max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None,
                      sampling: SamplingParams = SamplingParams()):
@@ -582,23 +630,30 @@ class JaxFusedCycle:
     def compile_ahead(self, stop: StopCondition) -> None:
         """Start compiling what a run needs, in threads, and return: `start` waits for it. That is this
         cycle's program, which prefills too; or, where prefill runs on its own (a forward narrower than
-        prefill's chunks), that forward as well, the two side by side. The programs are lowered here (which
-        holds the GIL) against the weights' shapes, so they need not wait for the weights' transfer, and
-        with arrays made as the real calls make them, so those calls find them compiled; XLA compiles
-        without the GIL. Prompt lengths do not enter the programs. A stateful drafter's state takes its
+        prefill's chunks), that forward as well, the two side by side; and the cache's reset, which start
+        runs first. The programs are lowered here (which holds the GIL) against the shapes of the weights, the
+        cache and the state the real calls build (eval_shape of the same code), so they need not wait for
+        the transfer of the weights and cache, and those calls find them compiled; XLA compiles without the GIL. Prompt lengths do not enter the programs. A stateful drafter's state takes its
         shape from the drafter's own prefill: with one, the programs compile in turn, at first use."""
-        if _stateful(self.draft_fn):
-            return
         engine = self.verifier
+        if _stateful(self.draft_fn):
+            engine.start_transfer()
+            return
         prompts = [[engine.cfg.pad_token_id]] * engine.batch
-        state = engine._decode_state(prompts, self.sampling, False, {}, prefilled=not self._prefills_in_cycle)
-        lowered = [self._steps.lower(engine.param_shapes, state, *_stop_arrays(stop.max_new_tokens, stop.eos_ids), None)]
+        state = jax.eval_shape(lambda cache: engine._decode_state(prompts, self.sampling, False, {},
+                                                                  prefilled=not self._prefills_in_cycle, cache=cache),
+                               engine.cache_shapes)
+        lowered = [self._steps.lower(engine.param_shapes, state, *_stop_arrays(stop.max_new_tokens, stop.eos_ids), None),
+                   engine._reset_fn.lower(engine.cache_shapes)]  # start empties the cache first
         if not self._prefills_in_cycle:
-            chunk = np.full((engine.batch, engine.buckets[-1]), engine.cfg.pad_token_id, np.int32)
-            lowered.append(engine._verify_fn.lower(engine.param_shapes, engine.cache, jnp.asarray(chunk), engine.lengths))
+            chunk = jax.ShapeDtypeStruct((engine.batch, engine.buckets[-1]), jnp.int32)
+            lowered.append(engine._verify_fn.lower(engine.param_shapes, engine.cache_shapes, chunk, engine.lengths))
         pool = ThreadPoolExecutor(len(lowered))
         self._compiling = [pool.submit(program.compile) for program in lowered]
         pool.shutdown(wait=False)
+        engine.start_transfer()
+        # The PRNG key's two small programs compile now, beside these, rather than after them in start.
+        jax.random.PRNGKey(self.sampling.seed or 0)
 
     def wait_compiled(self) -> None:
         """Wait for compile_ahead's compilations, raising what they raised."""

@@ -99,10 +99,10 @@ def test_device_drafter_inside_the_loop_keeps_greedy_output(engine, reference):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("background", [False, True])
 def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints, caplog, temperature, background):
-    """A first run compiles one program holding the forward, the fused cycle's, which prefills too. It is
-    lowered against the weights' shapes, before they reach the device where the engine moves them in the
-    background; the run with the weights then finds it compiled (or finds it in the persistent cache, which
-    other tests may have filled) and compiles no forward of its own."""
+    """A first run compiles one program holding the forward, the fused cycle's, which prefills too, and the
+    cache's reset. They are lowered against the shapes of the weights and the cache, before those reach the
+    device where the engine moves them in the background; the run with them then finds both compiled (or finds
+    them in the persistent cache, which other tests may have filled) and compiles neither again."""
     from specdec.drafters.ngram import NgramDrafter
     from specdec.generate import StopCondition, run_cycles
     from specdec.sampling import SamplingParams
@@ -112,8 +112,8 @@ def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints,
                                       background=background)
     sampling = SamplingParams(temperature=temperature, seed=2)
     cycle = JaxFusedCycle(fresh, NgramDrafter().device_draft_fn("jax", K_MAX), K_MAX, sampling)
-    compiled = re.compile(r"Finished XLA compilation of jit\((steps|_decode_forward)\)|"
-                          r"Persistent compilation cache hit for 'jit_(steps|_decode_forward)'")
+    compiled = re.compile(r"Finished XLA compilation of jit\((steps|_decode_forward|_reset)\)|"
+                          r"Persistent compilation cache hit for 'jit_(steps|_decode_forward|_reset)'")
     stop = StopCondition(12)
     jax.config.update("jax_log_compiles", True)  # globally: a config context would not reach the compiling threads
     try:
@@ -126,7 +126,7 @@ def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints,
         during_run = [m for m in caplog.messages if compiled.search(m)]
     finally:
         jax.config.update("jax_log_compiles", False)
-    assert ahead == {"steps"}
+    assert ahead == {"steps", "_reset"}
     assert during_run == []
     assert len(ours) == 12
     if temperature == 0.0:
@@ -197,8 +197,9 @@ def test_fused_cycle_prefills_rows_of_different_lengths_together(engine):
 
 
 def test_weights_moved_in_the_background_are_the_checkpoints(random_checkpoints, engine, monkeypatch):
-    """from_checkpoint(background=True) returns before the weights are on the device, with their shapes for
-    lowering; `params` waits for the same arrays a synchronous load makes, and raises what the transfer raised."""
+    """from_checkpoint(background=True) returns before the weights and the cache are on the device, with their
+    shapes for lowering; `params` and `cache` wait for the same arrays a synchronous load makes, and raise what
+    the transfer raised."""
     from specdec.verifiers import jax_engine
 
     later = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=1024, k_max=K_MAX,
@@ -208,6 +209,11 @@ def test_weights_moved_in_the_background_are_the_checkpoints(random_checkpoints,
                for n, a in engine.params.items())
     assert all(np.array_equal(later.params[n], a) for n, a in engine.params.items())
     assert later.weights_ready_at is not None
+    synchronous = JaxEngine(engine.cfg, engine.params, max_seq_len=1024, k_max=K_MAX)
+    assert jax.tree.structure(later.cache) == jax.tree.structure(synchronous.cache)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), later.cache) == jax.tree.map(lambda a: (a.shape, a.dtype),
+                                                                                     later.cache_shapes)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(later.cache), jax.tree.leaves(synchronous.cache)))
 
     def fail(tensors, dtype):
         raise MemoryError("out of device memory")
@@ -217,6 +223,8 @@ def test_weights_moved_in_the_background_are_the_checkpoints(random_checkpoints,
                                         background=True)
     with pytest.raises(MemoryError, match="out of device memory"):
         failing.params
+    with pytest.raises(MemoryError, match="out of device memory"):
+        failing.cache
 
 
 def test_bad_input(engine):
