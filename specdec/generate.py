@@ -109,7 +109,10 @@ class SpecStats:
         if self.compile_s is not None:
             parts.append(f"compiled {self.compile_s:.1f} s" + (f" ({self.compile_cache})" if self.compile_cache else ""))
         parts.append(f"prefill {self.prefill_s * 1e3:.0f} ms")
-        parts.append(f"{self.kept} tokens at {self.tok_s:,.0f} tok/s")
+        if self.kept and self.kept == self.untimed_kept:  # one JAX call held the prefill and every token
+            parts.append(f"{self.kept} tokens, all within the prefill's time")
+        else:
+            parts.append(f"{self.kept} tokens at {self.tok_s:,.0f} tok/s")
         if self.k:
             per_pos = " ".join(f"{a:.2f}" for a in self.per_position_acceptance)
             parts.append(f"tau {self.tau:.2f} · acceptance {self.acceptance_rate:.2f} [{per_pos}]")

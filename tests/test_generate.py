@@ -96,3 +96,14 @@ def test_fused_ngram_cycle_matches_the_host_loop(model):
     assert fused.tokens == host.tokens
     assert fused.stats.as_dict()["per_position_acceptance"] == host.stats.as_dict()["per_position_acceptance"]
     assert host.stats.drafted > 0 and host.stats.accepted > 0
+
+
+def test_stats_line_of_tokens_decoded_with_the_prefill():
+    """Tokens from cycles timed with the prefill are not counted in tok/s; when every token came with it, the
+    line says so rather than reporting 0 tok/s."""
+    from specdec.generate import SpecStats
+
+    some = SpecStats(k=0, kept=10, untimed_kept=4, decode_s=0.5)
+    assert "10 tokens at 12 tok/s" in some.summary()
+    every = SpecStats(k=0, kept=4, untimed_kept=4, prefill_s=0.9)
+    assert "4 tokens, all within the prefill's time" in every.summary() and "tok/s" not in every.summary()
