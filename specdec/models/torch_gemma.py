@@ -67,6 +67,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, cfg: GemmaConfig) -> 
     return normed.type_as(x)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T. For a decode forward's few rows on a GPU, cuBLAS runs one tile per 128 output columns, so a
+    weight of few columns (an o_proj, E4B's attention and per-layer projections, the 270M's layers) leaves most
+    SMs idle: 0.2-2.2 TB/s on an H200. There the reduction runs as a batched GEMM over `reduction_splits` slices
+    of the input, whose products are added in float32 by the kernel that reads them (docs/benchmarks.md, issue 11)."""
+    splits = reduction_splits(x, weight)
+    return F.linear(x, weight) if splits == 1 else split_linear(x, weight, splits)
+
+
+def reduction_splits(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """1, or the slices of the reduction that `linear` splits it into: for at most 32 rows on a GPU, where a
+    weight's 128-column tiles would not reach half an H100's or H200's 132 SMs, 4 or 2 slices of a multiple
+    of 64 (4 at most: 8 was slower on an H200 for E4B's down projection)."""
+    rows, (columns, reduction) = x.numel() // x.shape[-1], weight.shape
+    if not x.is_cuda or rows > 32 or columns > 66 * 128:
+        return 1
+    return next((s for s in (4, 2) if reduction % (64 * s) == 0), 1)
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x @ weight.T as one batched GEMM over `splits` slices of the reduction (views of the weight, not copies),
+    the slices' products added in float32."""
+    columns, reduction = weight.shape
+    part = reduction // splits
+    rows = x.reshape(-1, splits, part).transpose(0, 1)  # [splits, rows, part]
+    products = torch.bmm(rows, weight.view(columns, splits, part).permute(1, 2, 0))  # [splits, rows, columns]
+    total = products[0].float()
+    for product in products[1:]:  # added one by one, which inductor fuses into the kernel that reads the sum
+        total = total + product.float()
+    return total.to(x.dtype).view(*x.shape[:-1], columns)
+
+
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Gemma's gated activation: gelu_tanh(gate) * up."""
     return F.gelu(gate, approximate="tanh") * up
@@ -151,7 +183,7 @@ class Packed(nn.Module):
         """x through every linear of `names` the module has, in that order."""
         linears = self.linears()
         weight = self.packed if self.packed is not None else torch.cat([lin.weight for lin in linears])
-        return list(F.linear(x, weight).split([lin.weight.shape[0] for lin in linears], dim=-1))
+        return list(linear(x, weight).split([lin.weight.shape[0] for lin in linears], dim=-1))
 
 
 class MLP(Packed):
@@ -164,7 +196,7 @@ class MLP(Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.project(x)
-        return sum_across(F.linear(gelu_gate(gate, up), self.down_proj.weight), self.tp_group)
+        return sum_across(linear(gelu_gate(gate, up), self.down_proj.weight), self.tp_group)
 
 
 @dataclass
@@ -316,7 +348,7 @@ class Attention(Packed):
         widths = [v.shape[2] for _, v, _ in parts]
         out = sum(p @ v for p, (_, v, _) in zip(probs.split(widths, dim=-1), parts))
         out = out.view(B, nkv, groups, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.num_heads * hd)
-        return sum_across(self.o_proj(out), self.tp_group)
+        return sum_across(linear(out, self.o_proj.weight), self.tp_group)
 
 
 class Router(nn.Module):
@@ -414,8 +446,8 @@ class DecoderLayer(nn.Module):
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
         x = residual + self.post_feedforward_layernorm(h)
         if self.has_ple:
-            gated = gelu_gate(self.per_layer_input_gate(x), per_layer_input)
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            gated = gelu_gate(linear(x, self.per_layer_input_gate.weight), per_layer_input)
+            x = x + self.post_per_layer_input_norm(linear(gated, self.per_layer_projection.weight))
         if self.gemma4:
             x = x * self.layer_scalar
         return x

@@ -104,3 +104,34 @@ def test_hidden_states_of_chosen_layers(pair):
     _, hidden = model(tokens, positions(0, N), model.allocate_cache(2, K_MAX), hidden_layers=taps)
     for j, layer in enumerate(taps):
         assert rel_err(hidden[:, :, j], ref.hidden_states[layer + 1]) <= TOL
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_a_split_reduction_is_the_same_product(splits):
+    """split_linear (a batched GEMM over slices of the reduction, the slices' products added) computes x @ W.T,
+    for rows of any leading shape; in float32 to rounding."""
+    from specdec.models.torch_gemma import split_linear
+
+    g = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(2, 8, 512, generator=g), torch.randn(96, 512, generator=g)
+    assert torch.allclose(split_linear(x, weight, splits), x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_which_products_split_their_reduction():
+    """On a GPU, a decode forward's 16 rows split the reduction of a weight of few columns (E4B's o_proj: 4
+    slices; the 270M's q/k/v, whose 640 inputs are not a multiple of 256: 2), not of a wide one (E4B's gate/up),
+    nor of a prefill chunk's rows; the bf16 result is the product's to bf16's rounding."""
+    from specdec.models.torch_gemma import linear, reduction_splits
+
+    def on_gpu(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    assert reduction_splits(on_gpu(1, 16, 2048), on_gpu(2560, 2048)) == 4
+    assert reduction_splits(on_gpu(16, 640), on_gpu(1536, 640)) == 2
+    assert reduction_splits(on_gpu(16, 2560), on_gpu(20480, 2560)) == 1
+    assert reduction_splits(on_gpu(64, 2048), on_gpu(2560, 2048)) == 1
+    assert reduction_splits(torch.randn(16, 2048), torch.randn(2560, 2048)) == 1  # the CPU's product is cuBLAS-free
+    x, weight = on_gpu(1, 16, 2048), on_gpu(2560, 2048) * 0.02
+    exact = x.double() @ weight.double().T
+    assert float((linear(x, weight).double() - exact).abs().max() / exact.abs().max()) < 1e-2
