@@ -70,18 +70,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, cfg: GemmaConfig) -> 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T. For a decode forward's few rows on a GPU, cuBLAS runs one tile per 128 output columns, so a
     weight of few columns (an o_proj, E4B's attention and per-layer projections, the 270M's layers) leaves most
-    SMs idle: 0.2-2.2 TB/s on an H200. There the reduction runs as a batched GEMM over `reduction_splits` slices
-    of the input, whose products are added in float32 by the kernel that reads them (docs/benchmarks.md, issue 11)."""
-    splits = reduction_splits(x, weight)
+    SMs idle: 0.2-2.2 TB/s on an H200. Compiled, the reduction there runs as a batched GEMM over
+    `reduction_splits` slices of the input, whose products the kernel that reads them adds in float32
+    (docs/benchmarks.md, issue 11). Eagerly, those adds would be kernels of their own, so it stays one GEMM."""
+    splits = 1
+    if x.is_cuda and torch.compiler.is_compiling():
+        splits = reduction_splits(x.numel() // x.shape[-1], *weight.shape)
     return F.linear(x, weight) if splits == 1 else split_linear(x, weight, splits)
 
 
-def reduction_splits(x: torch.Tensor, weight: torch.Tensor) -> int:
-    """1, or the slices of the reduction that `linear` splits it into: for at most 32 rows on a GPU, where a
-    weight's 128-column tiles would not reach half an H100's or H200's 132 SMs, 4 or 2 slices of a multiple
-    of 64 (4 at most: 8 was slower on an H200 for E4B's down projection)."""
-    rows, (columns, reduction) = x.numel() // x.shape[-1], weight.shape
-    if not x.is_cuda or rows > 32 or columns > 66 * 128:
+def reduction_splits(rows: int, columns: int, reduction: int) -> int:
+    """1, or the slices `linear` splits a product's reduction into: for at most 32 rows, where a weight's
+    128-column tiles would not reach half an H100's or H200's 132 SMs, 4 or 2 slices of a multiple of 64 (4 at
+    most: 8 was slower on an H200 for E4B's down projection)."""
+    if rows > 32 or columns > 66 * 128:
         return 1
     return next((s for s in (4, 2) if reduction % (64 * s) == 0), 1)
 

@@ -117,21 +117,32 @@ def test_a_split_reduction_is_the_same_product(splits):
     assert torch.allclose(split_linear(x, weight, splits), x @ weight.T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.gpu
 def test_which_products_split_their_reduction():
-    """On a GPU, a decode forward's 16 rows split the reduction of a weight of few columns (E4B's o_proj: 4
-    slices; the 270M's q/k/v, whose 640 inputs are not a multiple of 256: 2), not of a wide one (E4B's gate/up),
-    nor of a prefill chunk's rows; the bf16 result is the product's to bf16's rounding."""
-    from specdec.models.torch_gemma import linear, reduction_splits
+    """A decode forward's 16 rows split the reduction of a weight of few columns (E4B's o_proj: 4 slices; the
+    270M's q/k/v, whose 640 inputs are not a multiple of 256: 2), not of a wide one (E4B's gate/up), nor a
+    prefill chunk's rows."""
+    from specdec.models.torch_gemma import reduction_splits
 
-    def on_gpu(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    assert reduction_splits(16, 2560, 2048) == 4
+    assert reduction_splits(16, 1536, 640) == 2
+    assert reduction_splits(16, 20480, 2560) == 1
+    assert reduction_splits(64, 2560, 2048) == 1
+    assert reduction_splits(16, 2560, 96) == 1  # no slice of a multiple of 64
 
-    assert reduction_splits(on_gpu(1, 16, 2048), on_gpu(2560, 2048)) == 4
-    assert reduction_splits(on_gpu(16, 640), on_gpu(1536, 640)) == 2
-    assert reduction_splits(on_gpu(16, 2560), on_gpu(20480, 2560)) == 1
-    assert reduction_splits(on_gpu(64, 2048), on_gpu(2560, 2048)) == 1
-    assert reduction_splits(torch.randn(16, 2048), torch.randn(2560, 2048)) == 1  # the CPU's product is cuBLAS-free
-    x, weight = on_gpu(1, 16, 2048), on_gpu(2560, 2048) * 0.02
+
+@pytest.mark.gpu
+def test_compiled_products_split_and_eager_ones_do_not():
+    """On a GPU the compiled product is one batched GEMM over slices of the reduction (its bf16 result the
+    product's to bf16's rounding); the eager one is cuBLAS's product itself."""
+    from torch._inductor.utils import run_and_get_code
+
+    from specdec.models.torch_gemma import linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 16, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    weight = torch.randn(2560, 2048, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    assert torch.equal(linear(x, weight), torch.nn.functional.linear(x, weight))
+    compiled, code = run_and_get_code(torch.compile(linear, fullgraph=True), x, weight)
+    assert "extern_kernels.bmm" in "".join(code) and "extern_kernels.mm" not in "".join(code)
     exact = x.double() @ weight.double().T
-    assert float((linear(x, weight).double() - exact).abs().max() / exact.abs().max()) < 1e-2
+    assert float((compiled.double() - exact).abs().max() / exact.abs().max()) < 1e-2
