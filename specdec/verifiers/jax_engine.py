@@ -192,7 +192,8 @@ class JaxEngine:
         self._cache_shardings = None
         if mesh is not None:  # lowered with the shardings the cache will have (as param_shapes)
             self._cache_shardings = cache_shardings(self.cache_shapes, mesh)
-            self.cache_shapes = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+            self.cache_shapes = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                                      sharding=sharding),
                                              self.cache_shapes, self._cache_shardings)
         self._cache = self._new_cache() if allocate_cache else None
         self.lengths = self._zero_lengths()
@@ -235,8 +236,8 @@ class JaxEngine:
 
     def start_transfer(self) -> None:
         """Start from_checkpoint's background transfer, if it has not started. JaxFusedCycle.compile_ahead
-        starts it once its programs are lowered: started before, the transfer slowed the lowering by about
-        0.5 s on an H200 (the GIL; docs/benchmarks.md, issue 8)."""
+        starts it once its programs are lowered: started before, the transfer delayed the compile's start by
+        about 0.5 s on an H200 (docs/benchmarks.md, issue 8)."""
         if self._transfer is not None:
             pool = ThreadPoolExecutor(1)
             self._in_transfer = pool.submit(self._transfer)
@@ -268,8 +269,8 @@ class JaxEngine:
         self._cache = cache
 
     def _new_cache(self) -> Cache:
-        cache = init_cache(self.cfg, self.batch, self.max_seq_len, self.k_max, self.param_shapes["embed_tokens.weight"].dtype,
-                           self.lookahead)
+        dtype = self.param_shapes["embed_tokens.weight"].dtype
+        cache = init_cache(self.cfg, self.batch, self.max_seq_len, self.k_max, dtype, self.lookahead)
         return jax.device_put(cache, self._cache_shardings) if self._cache_shardings is not None else cache
 
     def _zero_lengths(self) -> jax.Array:
@@ -632,9 +633,10 @@ class JaxFusedCycle:
         cycle's program, which prefills too; or, where prefill runs on its own (a forward narrower than
         prefill's chunks), that forward as well, the two side by side; and the cache's reset, which start
         runs first. The programs are lowered here (which holds the GIL) against the shapes of the weights, the
-        cache and the state the real calls build (eval_shape of the same code), so they need not wait for
-        the transfer of the weights and cache, and those calls find them compiled; XLA compiles without the GIL. Prompt lengths do not enter the programs. A stateful drafter's state takes its
-        shape from the drafter's own prefill: with one, the programs compile in turn, at first use."""
+        cache and the state the real calls build (eval_shape of the same code), so they need not wait for the
+        transfer of the weights and cache, which starts next, and those calls find them compiled; XLA compiles
+        without the GIL. Prompt lengths do not enter the programs. A stateful drafter's state takes its shape
+        from the drafter's own prefill: with one, the programs compile in turn, at first use."""
         engine = self.verifier
         if _stateful(self.draft_fn):
             engine.start_transfer()
@@ -643,7 +645,8 @@ class JaxFusedCycle:
         state = jax.eval_shape(lambda cache: engine._decode_state(prompts, self.sampling, False, {},
                                                                   prefilled=not self._prefills_in_cycle, cache=cache),
                                engine.cache_shapes)
-        lowered = [self._steps.lower(engine.param_shapes, state, *_stop_arrays(stop.max_new_tokens, stop.eos_ids), None),
+        stop_arrays = _stop_arrays(stop.max_new_tokens, stop.eos_ids)
+        lowered = [self._steps.lower(engine.param_shapes, state, *stop_arrays, None),
                    engine._reset_fn.lower(engine.cache_shapes)]  # start empties the cache first
         if not self._prefills_in_cycle:
             chunk = jax.ShapeDtypeStruct((engine.batch, engine.buckets[-1]), jnp.int32)
