@@ -1,5 +1,5 @@
 """16-row bf16 products on a GPU (a decode forward's invariant width): F.linear (cuBLAS) against the reduction
-split into a batched GEMM over S slices of the input (torch_gemma.split_linear's layout), the slices' products
+split into a batched GEMM over S slices of the input (torch_gemma.split_products), the slices' products
 not yet summed (bmmS_us: in the compiled engine the kernel that reads them adds them). Each timed in a CUDA
 graph that cycles through at least 200 MB of weight copies, so L2 holds none of them.
 
@@ -12,6 +12,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from specdec.models.torch_gemma import split_products
+
 ROWS = 16
 SHAPES = {  # output columns, reduction
     "e4b qkv 2560->3072": (3072, 2560), "e4b q 2560->2048": (2048, 2560), "e4b o_proj 2048->2560": (2560, 2048),
@@ -23,13 +25,6 @@ SHAPES = {  # output columns, reduction
     "31b qkv sliding 5376->16384": (16384, 5376), "31b q/k global 5376->18432": (18432, 5376),
     "31b down 21504->5376": (5376, 21504), "31b gate/up 5376->43008": (43008, 5376),
 }
-
-
-def batched(x, w, splits):
-    """The slices' products, not yet summed."""
-    columns, reduction = w.shape
-    part = reduction // splits
-    return torch.bmm(x.view(ROWS, splits, part).transpose(0, 1), w.view(columns, splits, part).permute(1, 2, 0))
 
 
 def us_per_call(fn, weights, x, reps=20):
@@ -68,7 +63,7 @@ def main(out: str) -> None:
         for splits in (2, 3, 4, 6, 8, 16):
             if reduction % (64 * splits):
                 continue
-            row[f"bmm{splits}_us"] = us_per_call(lambda x, w: batched(x, w, splits), weights, x)
+            row[f"bmm{splits}_us"] = us_per_call(lambda x, w: split_products(x, w, splits), weights, x)
         rows.append(row)
         print(f"{name:32s} {row['MB']:8.1f} MB  cuBLAS {row['linear_us']:7.2f} us  "
               + "  ".join(f"{k[:-3]} {v}" for k, v in row.items() if k.startswith("bmm")), flush=True)

@@ -88,13 +88,19 @@ def reduction_splits(rows: int, columns: int, reduction: int) -> int:
     return next((s for s in (4, 2) if reduction % (64 * s) == 0), 1)
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
-    """x @ weight.T as one batched GEMM over `splits` slices of the reduction (views of the weight, not copies),
-    the slices' products added in float32."""
+def split_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """One batched GEMM over `splits` slices of the reduction (views of the weight, not copies): the slices'
+    products of x's rows [..., reduction] with weight.T, [splits, rows, columns], not yet summed."""
     columns, reduction = weight.shape
     part = reduction // splits
     rows = x.reshape(-1, splits, part).transpose(0, 1)  # [splits, rows, part]
-    products = torch.bmm(rows, weight.view(columns, splits, part).permute(1, 2, 0))  # [splits, rows, columns]
+    return torch.bmm(rows, weight.view(columns, splits, part).permute(1, 2, 0))
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x @ weight.T as split_products, the slices' products added in float32."""
+    columns = weight.shape[0]
+    products = split_products(x, weight, splits)
     total = products[0].float()
     for product in products[1:]:  # added one by one, which inductor fuses into the kernel that reads the sum
         total = total + product.float()
