@@ -11,7 +11,7 @@ slots with position < its first position plus itself causally, and commits after
 V) and rebuild K from it; KV-shared layers read their producer's cache and the producer's new keys/values.
 
 Params are the checkpoint's tensors under their stripped HF names (`layers.3.self_attn.q_proj.weight`), in
-torch's [out, in] layout. `cfg` is not hashable (it holds a dict), so jit closes over it rather than taking
+torch's [out, in] layout, or those with each layer's q/k/v and gate/up packed into one weight (`pack_projections`). `cfg` is not hashable (it holds a dict), so jit closes over it rather than taking
 it as a static argument: `jax.jit(lambda p, t, pos, c: forward(p, cfg, t, pos, c), donate_argnums=3)`.
 """
 
@@ -38,22 +38,49 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def load_params(path: str | Path, dtype=None) -> tuple[GemmaConfig, Params]:
-    """Config and device arrays of a HF checkpoint directory, cast to `dtype` (default_dtype() if None).
-    Tensors are read memory-mapped and cast on the device."""
+def load_params(path: str | Path, dtype=None, pack: bool = False) -> tuple[GemmaConfig, Params]:
+    """Config and device arrays of a HF checkpoint directory, cast to `dtype` (default_dtype() if None) and,
+    with `pack`, packed (pack_projections). Tensors are read memory-mapped and cast on the device."""
     cfg, tensors = load_checkpoint(path, framework="numpy")
-    return cfg, to_device(tensors, dtype)
+    return cfg, to_device(tensors, dtype, pack)
 
 
-def to_device(tensors: dict[str, np.ndarray], dtype=None) -> Params:
-    """Host tensors as device arrays of `dtype` (default_dtype() if None): one transfer call for every tensor
-    (they overlap) and one compiled cast, rather than a transfer and an eagerly dispatched cast per tensor."""
-    return _cast_params(jax.device_put(tensors), jnp.dtype(dtype or default_dtype()))
+def to_device(tensors: dict[str, np.ndarray], dtype=None, pack: bool = False) -> Params:
+    """Host tensors as device arrays of `dtype` (default_dtype() if None), packed with `pack`: one transfer
+    call for every tensor (they overlap) and one compiled cast, rather than a transfer and an eagerly
+    dispatched cast per tensor. Packing in that program costs no pass and no memory of its own."""
+    return _cast_params(jax.device_put(tensors), jnp.dtype(dtype or default_dtype()), pack)
 
 
-@partial(jax.jit, static_argnums=1)
-def _cast_params(params: Params, dtype) -> Params:
-    return {name: t.astype(dtype) for name, t in params.items()}
+@partial(jax.jit, static_argnums=(1, 2))
+def _cast_params(params: Params, dtype, pack: bool) -> Params:
+    params = {name: t.astype(dtype) for name, t in params.items()}
+    return pack_projections(params) if pack else params
+
+
+# Linears that read one input, in the order their packed weight stacks them.
+PACKS = {"self_attn.": ("q_proj", "k_proj", "v_proj"), "mlp.": ("gate_proj", "up_proj")}
+
+
+def packed_name(prefix: str, names) -> str:
+    """`layers.3.self_attn.` + (q_proj, k_proj) -> `layers.3.self_attn.q_proj+k_proj.weight`."""
+    return f"{prefix}{'+'.join(names)}.weight"
+
+
+def pack_projections(params: Params) -> Params:
+    """Each layer's q/k/v (those it has) and gate/up weights as one [sum of out, in] weight under
+    `packed_name`, as torch_gemma's Packed: at decode a GEMM of 16 rows costs a launch and, in XLA, a split of
+    its reduction with a kernel that sums the parts, however small it is. The forward reads either form.
+    Single-device weights only: a tensor-parallel shard would need its own slices packed."""
+    params = dict(params)
+    layers = {name[: name.index(".", len("layers.")) + 1] for name in params if name.startswith("layers.")}
+    for layer in sorted(layers):
+        for block, names in PACKS.items():
+            members = [m for m in names if f"{layer}{block}{m}.weight" in params]
+            if len(members) > 1:
+                params[packed_name(layer + block, members)] = jnp.concatenate(
+                    [params.pop(f"{layer}{block}{m}.weight") for m in members])
+    return params
 
 
 def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16) -> Params:
@@ -178,12 +205,22 @@ def _keys_from_stored(stored, k_norm_weight, cos, sin):
     return _apply_rope(k, cos, sin)
 
 
-def _project_kv(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx):
-    """New keys/values of this chunk, [B, n_kv, T, hd] each, and what the cache stores for them."""
-    B, T, _ = x.shape
+def _project(params: Params, prefix: str, names, x, sizes=None) -> list:
+    """x through the linears `prefix + name` in order, each giving `sizes[i]` features (None: as many each):
+    one GEMM over their packed weight (pack_projections) when the params hold it."""
+    packed = params.get(packed_name(prefix, names))
+    if packed is None:
+        return [_linear(x, params[f"{prefix}{name}.weight"]) for name in names]
+    return jnp.split(_linear(x, packed), len(names) if sizes is None else np.cumsum(sizes)[:-1], axis=-1)
+
+
+def _project_kv(params: Params, cfg: GemmaConfig, spec: LayerSpec, raw_k, raw_v, ctx):
+    """New keys/values of this chunk, [B, n_kv, T, hd] each, and what the cache stores for them, from the
+    k_proj (and v_proj) outputs [B, T, n_kv * hd]."""
+    B, T, _ = raw_k.shape
     p = f"layers.{spec.index}.self_attn."
     kind = spec.kind
-    raw_k = _linear(x, params[p + "k_proj.weight"]).reshape(B, T, -1, spec.head_dim)
+    raw_k = raw_k.reshape(B, T, -1, spec.head_dim)
     if spec.k_eq_v:
         v = _rms_norm(raw_k, None, cfg).transpose(0, 2, 1, 3)
         cos, sin = ctx["cos"][kind].transpose(0, 2, 1, 3), ctx["sin"][kind].transpose(0, 2, 1, 3)
@@ -191,7 +228,7 @@ def _project_kv(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx):
         return k, v, (v, None)
     k = _apply_rope(_rms_norm(raw_k, params[p + "k_norm.weight"], cfg), ctx["cos"][kind], ctx["sin"][kind])
     k = k.transpose(0, 2, 1, 3)
-    v = _linear(x, params[p + "v_proj.weight"]).reshape(B, T, -1, spec.head_dim)
+    v = raw_v.reshape(B, T, -1, spec.head_dim)
     if cfg.is_gemma4:
         v = _rms_norm(v, None, cfg)
     v = v.transpose(0, 2, 1, 3)
@@ -203,12 +240,14 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
     p = f"layers.{spec.index}.self_attn."
     hd, kind, nkv = spec.head_dim, spec.kind, spec.num_kv_heads
     groups = cfg.num_heads // nkv
-    q = _linear(x, params[p + "q_proj.weight"]).reshape(B, T, cfg.num_heads, hd)
+    names = ("q_proj",) + (("k_proj",) + (() if spec.k_eq_v else ("v_proj",)) if spec.owns_cache else ())
+    q, *kv = _project(params, p, names, x, (cfg.num_heads * hd,) + (nkv * hd,) * (len(names) - 1))
+    q = q.reshape(B, T, cfg.num_heads, hd)
     q = _apply_rope(_rms_norm(q, params[p + "q_norm.weight"], cfg), ctx["cos"][kind], ctx["sin"][kind])
     q = q.reshape(B, T, nkv, groups, hd)  # query head h uses kv head h // groups
 
     if spec.owns_cache:
-        k_new, v_new, stored = _project_kv(params, cfg, spec, x, ctx)
+        k_new, v_new, stored = _project_kv(params, cfg, spec, kv[0], kv[1] if len(kv) > 1 else None, ctx)
         if ctx["commit_first"]:
             _write_kv(cache, spec.index, ctx["slots"][kind], *stored)
         else:
@@ -241,8 +280,8 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
 
 
 def _mlp(params: Params, prefix: str, x):
-    gate = _linear(x, params[prefix + "gate_proj.weight"])
-    return _linear(_gelu(gate) * _linear(x, params[prefix + "up_proj.weight"]), params[prefix + "down_proj.weight"])
+    gate, up = _project(params, prefix, PACKS["mlp."], x)
+    return _linear(_gelu(gate) * up, params[prefix + "down_proj.weight"])
 
 
 def _route(params: Params, cfg: GemmaConfig, prefix: str, x):

@@ -42,7 +42,8 @@ from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, StopCondition, check_context
 from specdec.models.config import GemmaConfig, check_tensor_parallel, decode_width, round_up, tp_split_axis
 from specdec.models.checkpoint import load_checkpoint
-from specdec.models.jax_gemma import Cache, Params, default_dtype, forward, init_cache, load_params, reset_cache, to_device
+from specdec.models.jax_gemma import (Cache, Params, default_dtype, forward, init_cache, load_params, pack_projections,
+                                      reset_cache, to_device)
 from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams
 
@@ -68,6 +69,20 @@ def param_partition_spec(cfg: GemmaConfig, name: str, tp: int) -> P:
     split one are whole)."""
     axis = tp_split_axis(cfg, name, tp)
     return P() if axis is None else P(*[None] * axis, TP_AXIS)
+
+
+def _packed(params: Params) -> Params:
+    """One device's weights with q/k/v and gate/up packed (jax_gemma.pack_projections), or their shapes.
+    Weights already packed (from_checkpoint's, another engine's) come back as they are; others are copied
+    packed, beside the caller's."""
+    if not any(name.endswith((".self_attn.k_proj.weight", ".mlp.up_proj.weight")) for name in params):
+        return params  # packed already, or nothing to pack (a layer's second linear is what packing takes)
+    if all(isinstance(a, jax.ShapeDtypeStruct) for a in params.values()):
+        return jax.eval_shape(pack_projections, params)
+    return _pack_fn(params)
+
+
+_pack_fn = jax.jit(pack_projections)
 
 
 def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh) -> Params:
@@ -175,7 +190,7 @@ class JaxEngine:
         self.hidden_layers = tuple(hidden_layers)
         self.invariant = invariant
         self.buckets = (self.width,) if invariant else tuple(sorted({1, k_max + 1}))
-        self._params = shard_params(params, cfg, mesh) if mesh is not None else params
+        self._params = shard_params(params, cfg, mesh) if mesh is not None else _packed(params)
         # What programs are lowered against: the weights' shapes, known before the weights themselves arrive;
         # with a mesh, their shardings too (on one device, a sharding named here would lower another program
         # than the call with the arrays does).
@@ -216,8 +231,9 @@ class JaxEngine:
         its weights and the cache go to the device in a thread, so that programs compile meanwhile (against
         param_shapes and cache_shapes). The thread starts at `start_transfer` or at the first use of `params`
         or `cache`, which wait for it (and raise what it raised)."""
+        pack = kwargs.get("mesh") is None
         if not background:
-            cfg, params = load_params(path, dtype)
+            cfg, params = load_params(path, dtype, pack)
             return cls(cfg, params, **kwargs)
         cfg, tensors = load_checkpoint(path, framework="numpy")
         dtype = jnp.dtype(dtype or default_dtype())
@@ -226,7 +242,7 @@ class JaxEngine:
 
         def transfer():
             # The cache here too: on a first run its constructors compile small programs (about 0.5 s on an H200).
-            params, cache = to_device(tensors, dtype), engine._new_cache()
+            params, cache = to_device(tensors, dtype, pack), engine._new_cache()
             jax.block_until_ready((params, cache))
             engine.weights_ready_at = time.perf_counter()
             return params, cache

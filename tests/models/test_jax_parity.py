@@ -140,6 +140,31 @@ def test_hidden_states_of_chosen_layers(pair):
         assert rel_err(hidden[:, :, j], pair.ref.hidden_states[layer + 1].numpy()) <= TOL
 
 
+def test_packed_projections_compute_the_same_model(pair):
+    """The engines' weights: each layer's q/k/v (those it has) and gate/up in one matrix, read by one GEMM."""
+    packed = jax_gemma.pack_projections(pair.params)
+    for spec in pair.cfg.layers:
+        p = f"layers.{spec.index}."
+        members = ["q_proj"] + (["k_proj"] + ([] if spec.k_eq_v else ["v_proj"]) if spec.owns_cache else [])
+        attention = [f"{p}self_attn.{m}.weight" for m in members]
+        if len(members) > 1:
+            assert not any(name in packed for name in attention)
+            assert np.array_equal(packed[jax_gemma.packed_name(p + "self_attn.", members)],
+                                  np.concatenate([pair.params[name] for name in attention]))
+        else:
+            assert packed[attention[0]] is pair.params[attention[0]]
+        assert jax_gemma.packed_name(p + "mlp.", ["gate_proj", "up_proj"]) in packed
+        assert f"{p}mlp.gate_proj.weight" not in packed and f"{p}mlp.down_proj.weight" in packed
+    pair.params, original = packed, pair.params
+    try:  # a wider product may round otherwise: held to transformers as the unpacked weights are
+        (logits, hidden), = pair.run_jax([(pair.tokens, positions(0, N))])
+    finally:
+        pair.params = original
+    assert rel_err(logits, pair.ref.logits.numpy()) <= TOL
+    for j, layer in enumerate(pair.taps):
+        assert rel_err(hidden[:, :, j], pair.ref.hidden_states[layer + 1].numpy()) <= TOL
+
+
 def test_multimodal_checkpoint_loads_the_text_model(random_checkpoints):
     cfg, params = jax_gemma.load_params(random_checkpoints[MULTIMODAL_VARIANT], jnp.float32)
     dense_cfg, dense = jax_gemma.load_params(random_checkpoints["gemma4_dense"], jnp.float32)

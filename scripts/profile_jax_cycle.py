@@ -1,0 +1,106 @@
+"""Where a JAX fused plain-decode cycle's time goes: wall time per cycle as users run it, and the device's kernels
+per cycle from jax's profiler, grouped by name. The JAX counterpart of profile_cycle.py (plain decode only).
+
+    python scripts/profile_jax_cycle.py --config 31b.json --context 1024 --out docs/results/profile-jax-31b6.json
+
+Random weights cost what real ones do (shapes, not values, set a kernel's time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from specdec import compile_cache
+from specdec.evidence import git_commit, now_utc
+from specdec.generate import StopCondition
+from specdec.models.config import GemmaConfig
+from specdec.models.jax_gemma import load_params, random_params
+from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
+
+
+def device_kernels(run, cycles: int) -> dict:
+    """The device's kernels while `run` runs `cycles` cycles (and waits for them): count and ms per cycle, by
+    name, from the streams of the first GPU's plane of a jax.profiler trace."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        run()
+        jax.profiler.stop_trace()
+        [path] = Path(trace_dir).rglob("*.xplane.pb")
+        profile = jax.profiler.ProfileData.from_file(str(path))
+    plane = next(p for p in profile.planes if p.name.startswith("/device:GPU:0"))
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    spans = []
+    for line in plane.lines:
+        if not line.name.startswith("Stream"):  # the plane also holds derived lines (XLA ops, modules)
+            continue
+        for event in line.events:
+            entry = by_name[event.name]
+            entry[0] += 1
+            entry[1] += event.duration_ns / 1e6
+            spans.append((event.start_ns, event.start_ns + event.duration_ns))
+    if not spans:
+        raise SystemExit(f"no kernels on the streams of {plane.name}: lines {[line.name for line in plane.lines]}")
+    count = sum(c for c, _ in by_name.values()) / cycles
+    busy = sum(t for _, t in by_name.values()) / cycles
+    span = (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e6 / cycles
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:40]
+    return {"per_cycle": count, "busy_ms": busy, "span_ms": span,
+            "top": [{"name": n[:120], "per_cycle": c / cycles, "ms": t / cycles} for n, (c, t) in top]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--target", type=Path, help="an imported checkpoint directory")
+    source.add_argument("--config", type=Path, help="a config.json: random weights at its shapes")
+    parser.add_argument("--calls", type=int, default=20, help="timed calls of the cycle program")
+    parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--context", type=int, default=4096, help="cache positions")
+    parser.add_argument("--k-max", type=int, default=8, help="the engine's k_max (sets the invariant width)")
+    parser.add_argument("--out", type=Path, default=Path("profile-jax-cycle.json"))
+    args = parser.parse_args()
+    compile_cache.enable_jax()
+    if args.target:
+        cfg, params = load_params(args.target)
+    else:
+        cfg = GemmaConfig.from_file(args.config)
+        params = random_params(cfg, jax.random.key(0))
+    engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=args.k_max)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20000, args.prompt_tokens)]
+    cycle = JaxFusedCycle(engine, None, 0)
+    cycle.start([prompt], StopCondition(10**6))
+    per_call = cycle._cycles_per_call
+
+    def calls(n: int) -> None:
+        for _ in range(n):
+            cycle._dispatch()  # waits: it reads the results back, as decoding does
+
+    calls(3)
+    start = time.perf_counter()
+    calls(args.calls)
+    wall = (time.perf_counter() - start) * 1e3 / (args.calls * per_call)
+    kernels = device_kernels(lambda: calls(args.calls), args.calls * per_call)
+    record = {"benchmark": "profile_jax_cycle", "date": now_utc(), "commit": git_commit(),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": str(engine.params["embed_tokens.weight"].dtype),
+              "model": str(args.target or args.config), "weights": "checkpoint" if args.target else "random",
+              "invariant_width": engine.width, "prompt_tokens": len(prompt), "cycles_per_call": per_call,
+              "cycle_wall_ms": wall, "kernels": kernels}
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"\n{record['device']} · {record['commit']} · width {engine.width} · {per_call} cycles per call")
+    print(f"cycle wall {wall:.3f} ms · device span {kernels['span_ms']:.3f} ms · busy {kernels['busy_ms']:.3f} ms"
+          f" · {kernels['per_cycle']:.0f} kernels per cycle")
+    for t in kernels["top"][:25]:
+        print(f"  {t['per_cycle']:6.1f} {t['ms']:7.4f}  {t['name'][:100]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
