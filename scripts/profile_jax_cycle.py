@@ -70,10 +70,10 @@ def main() -> None:
     args = parser.parse_args()
     compile_cache.enable_jax()
     if args.target:
-        cfg, params = load_params(args.target)
+        cfg, params = load_params(args.target, pack=True)
     else:
         cfg = GemmaConfig.from_file(args.config)
-        params = random_params(cfg, jax.random.key(0))
+        params = random_params(cfg, jax.random.key(0), pack=True)
     engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=args.k_max)
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20000, args.prompt_tokens)]
     cycle = JaxFusedCycle(engine, None, 0)

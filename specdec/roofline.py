@@ -222,9 +222,9 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
     compile_cache.enable_jax()
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" and not args.tiny else jnp.float32
     if checkpoint:
-        cfg, params = load_params(checkpoint, dtype)
+        cfg, params = load_params(checkpoint, dtype, pack=tp == 1)
     else:
-        params = random_params(cfg, jax.random.key(0), dtype)
+        params = random_params(cfg, jax.random.key(0), dtype, pack=tp == 1)  # as a one-device engine holds them
     engine = JaxEngine(cfg, params, max_seq_len=CONTEXT, k_max=K_MAX, mesh=make_mesh(tp) if tp > 1 else None)
     del params  # a mesh's shards are copies: one model's weights held, not two
     step, tokens = time_plain_decode(lambda: JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")

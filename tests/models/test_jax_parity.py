@@ -165,6 +165,14 @@ def test_packed_projections_compute_the_same_model(pair):
         assert rel_err(hidden[:, :, j], pair.ref.hidden_states[layer + 1].numpy()) <= TOL
 
 
+def test_random_weights_made_packed_are_the_packed_random_weights(pair):
+    key = jax.random.key(1)
+    packed = jax_gemma.random_params(pair.cfg, key, jnp.float32, pack=True)
+    expected = jax_gemma.pack_projections(jax_gemma.random_params(pair.cfg, key, jnp.float32))
+    assert packed.keys() == expected.keys()
+    assert all(np.array_equal(packed[name], expected[name]) for name in expected)
+
+
 def test_multimodal_checkpoint_loads_the_text_model(random_checkpoints):
     cfg, params = jax_gemma.load_params(random_checkpoints[MULTIMODAL_VARIANT], jnp.float32)
     dense_cfg, dense = jax_gemma.load_params(random_checkpoints["gemma4_dense"], jnp.float32)
