@@ -90,7 +90,8 @@ def main() -> None:
     wall = (time.perf_counter() - start) * 1e3 / (args.calls * per_call)
     kernels = device_kernels(lambda: calls(args.calls), args.calls * per_call)
     record = {"benchmark": "profile_jax_cycle", "date": now_utc(), "commit": git_commit(),
-              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": str(engine.params["embed_tokens.weight"].dtype),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "dtype": str(engine.params["embed_tokens.weight"].dtype),
               "model": str(args.target or args.config), "weights": "checkpoint" if args.target else "random",
               "invariant_width": engine.width, "prompt_tokens": len(prompt), "cycles_per_call": per_call,
               "cycle_wall_ms": wall, "kernels": kernels}

@@ -34,7 +34,8 @@ def load_source(path: Path, verifier):
     if framework_of(verifier) == "jax":
         from specdec.models.jax_gemma import load_params
 
-        return load_params(path, verifier.params["embed_tokens.weight"].dtype)
+        # packed as drafter_engine's one-device engine holds them, rather than copied packed there
+        return load_params(path, verifier.params["embed_tokens.weight"].dtype, pack=True)
     from specdec.models.torch_gemma import GemmaModel
 
     return GemmaModel.from_checkpoint(path, dtype=verifier.model.dtype, device=str(verifier.device),

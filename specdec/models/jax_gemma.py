@@ -11,8 +11,9 @@ slots with position < its first position plus itself causally, and commits after
 V) and rebuild K from it; KV-shared layers read their producer's cache and the producer's new keys/values.
 
 Params are the checkpoint's tensors under their stripped HF names (`layers.3.self_attn.q_proj.weight`), in
-torch's [out, in] layout, or those with each layer's q/k/v and gate/up packed into one weight (`pack_projections`). `cfg` is not hashable (it holds a dict), so jit closes over it rather than taking
-it as a static argument: `jax.jit(lambda p, t, pos, c: forward(p, cfg, t, pos, c), donate_argnums=3)`.
+torch's [out, in] layout, or those with each layer's q/k/v and gate/up packed into one weight
+(`pack_projections`). `cfg` is not hashable (it holds a dict), so jit closes over it rather than taking it as a
+static argument: `jax.jit(lambda p, t, pos, c: forward(p, cfg, t, pos, c), donate_argnums=3)`.
 """
 
 from __future__ import annotations
