@@ -227,6 +227,22 @@ def test_weights_moved_in_the_background_are_the_checkpoints(random_checkpoints,
         failing.cache
 
 
+def test_one_device_engines_hold_packed_weights(random_checkpoints, engine):
+    """from_checkpoint packs as the weights arrive; an engine given the checkpoint's names packs a copy; one
+    given packed weights (another engine's) keeps those very arrays; the greedy tokens are the same."""
+    from specdec.models.jax_gemma import load_params
+
+    assert "layers.0.mlp.gate_proj+up_proj.weight" in engine.params
+    assert not any(name.endswith((".k_proj.weight", ".up_proj.weight")) for name in engine.params)
+    cfg, unpacked = load_params(random_checkpoints[VARIANT], jnp.float32)
+    copied = JaxEngine(cfg, unpacked, max_seq_len=1024, k_max=K_MAX)
+    assert copied.params.keys() == engine.params.keys()
+    assert all(np.array_equal(copied.params[n], a) for n, a in engine.params.items())
+    shared = JaxEngine(cfg, engine.params, max_seq_len=1024, k_max=K_MAX)
+    assert all(shared.params[n] is a for n, a in engine.params.items())
+    assert copied.generate_fused(PROMPT, 12) == engine.generate_fused(PROMPT, 12)
+
+
 def test_bad_input(engine):
     with pytest.raises(SpecdecError, match="does not fit the context of 1024"):
         engine.prefill([list(range(3, 1100))])
