@@ -24,15 +24,15 @@ from specdec.evidence import git_commit, now_utc
 from specdec.generate import StopCondition
 from specdec.models.config import GemmaConfig
 from specdec.models.jax_gemma import load_params, random_params
-from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
+from specdec.verifiers.jax_engine import CYCLES_PER_CALL, JaxEngine, JaxFusedCycle
 
 
-def device_kernels(run, cycles: int) -> dict:
-    """The device's kernels while `run` runs `cycles` cycles (and waits for them): count and ms per cycle, by
-    name, from the streams of the first GPU's plane of a jax.profiler trace."""
+def device_kernels(run) -> dict:
+    """The device's kernels while `run` runs cycles (and waits for them; it returns how many): count and ms per
+    cycle, by name, from the streams of the first GPU's plane of a jax.profiler trace."""
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
-        run()
+        cycles = run()
         jax.profiler.stop_trace()
         [path] = Path(trace_dir).rglob("*.xplane.pb")
         profile = jax.profiler.ProfileData.from_file(str(path))
@@ -62,7 +62,7 @@ def main() -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--target", type=Path, help="an imported checkpoint directory")
     source.add_argument("--config", type=Path, help="a config.json: random weights at its shapes")
-    parser.add_argument("--calls", type=int, default=20, help="timed calls of the cycle program")
+    parser.add_argument("--steps", type=int, default=20 * CYCLES_PER_CALL, help="timed decode cycles")
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--context", type=int, default=4096, help="cache positions")
     parser.add_argument("--k-max", type=int, default=8, help="the engine's k_max (sets the invariant width)")
@@ -78,25 +78,28 @@ def main() -> None:
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20000, args.prompt_tokens)]
     cycle = JaxFusedCycle(engine, None, 0)
     cycle.start([prompt], StopCondition(10**6))
-    per_call = cycle._cycles_per_call
 
-    def calls(n: int) -> None:
-        for _ in range(n):
-            cycle._dispatch()  # waits: it reads the results back, as decoding does
+    def run(steps: int) -> int:
+        """`steps` cycles handed out as decoding takes them (a device call, and a wait, per CYCLES_PER_CALL);
+        -> the cycles the device ran meanwhile."""
+        before = cycle.device_cycles
+        for _ in range(steps):
+            cycle.step()
+        return cycle.device_cycles - before
 
-    calls(3)
+    run(3 * CYCLES_PER_CALL)
     start = time.perf_counter()
-    calls(args.calls)
-    wall = (time.perf_counter() - start) * 1e3 / (args.calls * per_call)
-    kernels = device_kernels(lambda: calls(args.calls), args.calls * per_call)
+    ran = run(args.steps)
+    wall = (time.perf_counter() - start) * 1e3 / ran
+    kernels = device_kernels(lambda: run(args.steps))
     record = {"benchmark": "profile_jax_cycle", "date": now_utc(), "commit": git_commit(),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "dtype": str(engine.params["embed_tokens.weight"].dtype),
               "model": str(args.target or args.config), "weights": "checkpoint" if args.target else "random",
-              "invariant_width": engine.width, "prompt_tokens": len(prompt), "cycles_per_call": per_call,
+              "invariant_width": engine.width, "prompt_tokens": len(prompt), "cycles_per_call": CYCLES_PER_CALL,
               "cycle_wall_ms": wall, "kernels": kernels}
     args.out.write_text(json.dumps(record, indent=1))
-    print(f"\n{record['device']} · {record['commit']} · width {engine.width} · {per_call} cycles per call")
+    print(f"\n{record['device']} · {record['commit']} · width {engine.width} · {CYCLES_PER_CALL} cycles per call")
     print(f"cycle wall {wall:.3f} ms · device span {kernels['span_ms']:.3f} ms · busy {kernels['busy_ms']:.3f} ms"
           f" · {kernels['per_cycle']:.0f} kernels per cycle")
     for t in kernels["top"][:25]:

@@ -18,6 +18,7 @@ static argument: `jax.jit(lambda p, t, pos, c: forward(p, cfg, t, pos, c), donat
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def pack_projections(params: Params) -> Params:
     its reduction with a kernel that sums the parts, however small it is. The forward reads either form.
     Single-device weights only: a tensor-parallel shard would need its own slices packed."""
     params = dict(params)
-    layers = {_layer_prefix(name) for name in params if name.startswith("layers.")}
+    layers = {_layer_prefix(name) for name in params} - {""}
     for layer in sorted(layers):
         for block, names in PACKS.items():
             members = [m for m in names if f"{layer}{block}{m}.weight" in params]
@@ -89,24 +90,23 @@ def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16, pack: bo
     Matrices ~ N(0, 1/fan_in); 1-D norms and scalars at their neutral value. `pack`: the same values with each
     layer packed (pack_projections) as it is made, so that no more than one layer's projections are held twice."""
     neutral = 1.0 - cfg.norm_weight_offset  # Gemma 3 norms scale by (1 + w), Gemma 4 by w
-    params, layer = {}, []  # the names of the layer being made (sorted names keep a layer's together)
-    for i, (name, shape) in enumerate(sorted(expected_shapes(cfg).items())):
-        if pack and layer and not name.startswith(_layer_prefix(layer[0])):
-            params.update(pack_projections({n: params.pop(n) for n in layer}))
-            layer = []
+
+    def make(i, shape):
         if len(shape) == 1:
-            params[name] = jnp.full(shape, neutral, dtype)
-        else:
-            std = shape[-1] ** -0.5
-            params[name] = _random_normal(jax.random.fold_in(key, i), shape, dtype, std)
-        if name.startswith("layers."):
-            layer.append(name)
-    return pack_projections(params) if pack else params
+            return jnp.full(shape, neutral, dtype)
+        return _random_normal(jax.random.fold_in(key, i), shape, dtype, shape[-1] ** -0.5)
+
+    params = {}
+    named = enumerate(sorted(expected_shapes(cfg).items()))  # sorted names keep each layer's together
+    for _, group in itertools.groupby(named, key=lambda item: _layer_prefix(item[1][0])):
+        made = {name: make(i, shape) for i, (name, shape) in group}
+        params.update(pack_projections(made) if pack else made)
+    return params
 
 
 def _layer_prefix(name: str) -> str:
-    """`layers.3.mlp.up_proj.weight` -> `layers.3.`"""
-    return name[: name.index(".", len("layers.")) + 1]
+    """`layers.3.mlp.up_proj.weight` -> `layers.3.`; "" for a tensor of no layer."""
+    return name[: name.index(".", len("layers.")) + 1] if name.startswith("layers.") else ""
 
 
 @partial(jax.jit, static_argnums=(1, 2, 3))

@@ -75,10 +75,11 @@ def _packed(params: Params) -> Params:
     """One device's weights with q/k/v and gate/up packed (jax_gemma.pack_projections), or their shapes.
     Weights already packed (from_checkpoint's, another engine's) come back as they are; others are copied
     packed, beside the caller's."""
-    if not any(name.endswith((".self_attn.k_proj.weight", ".mlp.up_proj.weight")) for name in params):
-        return params  # packed already, or nothing to pack (a layer's second linear is what packing takes)
+    shapes = jax.eval_shape(pack_projections, params)
+    if shapes.keys() == params.keys():
+        return params  # packed already, or nothing to pack
     if all(isinstance(a, jax.ShapeDtypeStruct) for a in params.values()):
-        return jax.eval_shape(pack_projections, params)
+        return shapes
     return _pack_fn(params)
 
 
