@@ -3,12 +3,17 @@
 Each iteration of the loop:
   1. drops requests whose client went away, and admits waiting requests into free rows (`prefill_row`:
      the other rows keep their state);
-  2. drafts per active row with the host n-gram proposer over the row's prompt + emitted tokens;
-  3. runs one `verify` of [pending, drafts] for all B rows (drafts padded to k, with per-row lengths);
-  4. accepts per row: greedy rows together, each sampled row with its own seeded random stream, so a
-     seeded request draws the same numbers whatever else shares the batch;
-  5. hands each request its new tokens (its stop condition applied), and commits the accepted tokens
-     + 1 of the rows that go on; free and finished rows ride along and commit nothing.
+  2. runs one cycle of every row: n-gram drafts, one `verify` of [pending, drafts] for all B rows (drafts
+     padded to k, with per-row lengths), acceptance;
+  3. hands each request its new tokens (its stop condition applied); the accepted tokens + 1 of the rows
+     that go on are committed, free and finished rows ride along and commit nothing.
+
+Two ways to run step 2. While every request in flight is greedy, the torch engine runs it as one
+`FusedCycle` over the whole batch: drafting over a device token buffer, verify, acceptance and commit are one
+CUDA graph replay and one read of the results, as in `specdec generate`. Otherwise (a sampled request in
+flight, or the JAX engine) the host drafts per row and accepts greedy rows together and each sampled row
+with its own seeded random stream, so a seeded request draws the same numbers whatever else shares the
+batch. Both draft by the same n-gram rule.
 
 Every row of every forward runs at one fixed shape (the engine's row-invariant decode width), so a
 request's tokens are those it gets alone in the same server.
@@ -26,7 +31,7 @@ import numpy as np
 
 from specdec.drafters.ngram import ngram_propose
 from specdec.errors import SpecdecError
-from specdec.generate import RandomStream, SpecStats, StopCondition, _Ops
+from specdec.generate import CycleResult, RandomStream, SpecStats, StopCondition, _Ops
 from specdec.protocol import Draft, Verifier
 from specdec.sampling import SamplingParams
 
@@ -111,6 +116,8 @@ class _Row:
         self.sampled = None if request.sampling.greedy else RandomStream(ops, request.sampling.seed)
         # The rule's settings without the seed: JAX compiles the rule once per distinct settings.
         self.sampling = replace(request.sampling, seed=None)
+        self.limit = len(request.prompt) + request.stop.max_new_tokens  # the fused cycle's context bound
+        self.on_device = True  # the fused cycle's token buffer holds `context` (no host cycle since)
 
 
 class Scheduler:
@@ -129,9 +136,24 @@ class Scheduler:
         self.stats = SpecStats(k=self.k)
         self.prompt_tokens = 0
         self.steps = 0  # verify forwards of the whole batch
+        self.cycle = self._fused_cycle()
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
+
+    def _fused_cycle(self):
+        """The greedy FusedCycle over the whole batch (torch engine), its free rows retired; None for JAX."""
+        if self.ops.jax:
+            return None
+        from specdec.drafters.ngram import NgramDrafter
+        from specdec.verifiers.torch_engine import FusedCycle
+
+        spec = self.speculative
+        draft_fn = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max).device_draft_fn("torch", self.k)
+        cycle = FusedCycle(self.engine, draft_fn if self.k else None, self.k)
+        for b in range(self.engine.batch):
+            cycle.retire(b)
+        return cycle
 
     @property
     def running(self) -> int:
@@ -199,12 +221,18 @@ class Scheduler:
                 for b, row in enumerate(self.rows):
                     if row is not None:
                         row.request.on_update(Update([], finished=True, error=f"internal error: {e}"))
-                        self.rows[b] = None
+                        self._free(b)
 
     def _drop_cancelled(self) -> None:
         for b, row in enumerate(self.rows):
             if row is not None and row.request.cancelled:
-                self.rows[b] = None
+                self._free(b)
+
+    def _free(self, b: int) -> None:
+        """Free a row; its cache stays as it is until the next request's prefill_row."""
+        self.rows[b] = None
+        if self.cycle is not None:
+            self.cycle.retire(b)
 
     def _admit(self) -> None:
         for b in range(len(self.rows)):
@@ -214,7 +242,10 @@ class Scheduler:
             if request is None:
                 return
             try:
-                self.engine.prefill_row(b, request.prompt)
+                if self.cycle is not None:
+                    self.cycle.admit(b, request.prompt, request.stop.max_new_tokens)
+                else:
+                    self.engine.prefill_row(b, request.prompt)
             except Exception as e:  # the server checked the prompt: a bug, but only this request's
                 log.exception("prefill failed")
                 request.on_update(Update([], finished=True, error=f"prefill failed: {e}"))
@@ -231,8 +262,22 @@ class Scheduler:
         return None
 
     def _step(self) -> None:
-        ops, k, batch = self.ops, self.k, len(self.rows)
         active = [b for b, row in enumerate(self.rows) if row is not None]
+        if self.cycle is not None and all(self.rows[b].sampled is None for b in active):
+            self._fused_step(active)
+        else:
+            self._host_step(active)
+
+    def _fused_step(self, active: list[int]) -> None:
+        for b in active:
+            row = self.rows[b]
+            if not row.on_device:  # host cycles ran since the buffer last held its context
+                self.cycle.load_row(b, row.context, row.limit)
+                row.on_device = True
+        self._deliver(active, self.cycle.step())
+
+    def _host_step(self, active: list[int]) -> None:
+        ops, k, batch = self.ops, self.k, len(self.rows)
         pending = np.zeros(batch, np.int64)
         drafts = np.zeros((batch, k), np.int64)
         draft_len = np.zeros(batch, np.int64)
@@ -242,26 +287,31 @@ class Scheduler:
             proposal = ngram_propose(context, k, self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
             drafts[b, : len(proposal)] = proposal
             draft_len[b] = len(proposal)
+            self.rows[b].on_device = False
         draft = ops.on_device(Draft(drafts, draft_len))
         out = self.engine.verify(ops.tokens_with_pending(self._on_device(pending), draft))
         num_accepted, next_token = ops.to_host(*self._accept(draft, out.logits, active))
-        self.steps += 1
+        commit = self._deliver(active, CycleResult(num_accepted, next_token, drafts, draft_len))
+        self.engine.commit(self._on_device(commit))
 
-        commit = np.zeros(batch, np.int64)
+    def _deliver(self, active: list[int], result: CycleResult) -> np.ndarray:
+        """Hand each active request its cycle's tokens, free the finished rows; -> tokens to commit per row
+        (the emitted ones of the rows that go on)."""
+        self.steps += 1
+        commit = np.zeros(len(self.rows), np.int64)
         for b in active:
-            row = self.rows[b]
-            request = row.request
-            emitted = drafts[b, : num_accepted[b]].tolist() + [int(next_token[b])]
-            row.context.extend(emitted)
+            request = self.rows[b].request
+            emitted = result.emitted(b)
+            self.rows[b].context.extend(emitted)
             kept, finished = request.stop.take(request.tokens, emitted)
             request.tokens.extend(kept)
-            self.stats.record(int(draft_len[b]), int(num_accepted[b]), len(emitted), len(kept))
+            self.stats.record(int(result.draft_len[b]), int(result.num_accepted[b]), len(emitted), len(kept))
             if finished:
-                self.rows[b] = None  # its cache stays as it is until the next request's prefill_row
+                self._free(b)
             else:
                 commit[b] = len(emitted)
             request.on_update(Update(kept, finished))
-        self.engine.commit(self._on_device(commit))
+        return commit
 
     def _accept(self, draft: Draft, logits, active: list[int]):
         """(num_accepted [B], next_token [B]) on the device: the greedy rule over the whole batch, then each

@@ -341,6 +341,27 @@ class FusedCycle:
         if self.drafter is not None:
             self.drafter.begin(prompts, self.verifier.prefill_hidden)
 
+    def admit(self, row: int, prompt: list[int], max_new_tokens: int) -> None:
+        """Start a request in one row while the other rows keep theirs (continuous batching): prefill it alone
+        and load its prompt into the row's token buffer. Greedy, stateless drafters only: a stateful drafter or
+        the sampler's one generator would tie the row's draws to the rows beside it."""
+        if self.drafter is not None or self.generator is not None:
+            raise SpecdecError("rows are admitted one by one only into greedy cycles with a stateless drafter")
+        self.verifier.prefill_row(row, prompt)
+        self.load_row(row, prompt, len(prompt) + max_new_tokens)
+
+    def load_row(self, row: int, context: list[int], limit: int) -> None:
+        """Set one row's tokens (prompt + emitted, the last one pending), whose keys and values but the last are in
+        the cache: the row advances while its context is shorter than `limit` tokens."""
+        self.buffer[row, : len(context)] = torch.tensor(context, device=self.buffer.device)
+        self.context_len[row] = len(context)
+        self.limit[row] = limit
+
+    def retire(self, row: int) -> None:
+        """Stop one row advancing: it rides along, drafting from the one token it keeps, until it is admitted again."""
+        self.limit[row] = 0
+        self.context_len[row].clamp_(min=1)  # the pending token is read at context_len - 1
+
     def _draft(self):
         """-> (draft [B, k], draft_len [B], draft probabilities [B, k, V] or None for a point mass)."""
         if self.k == 0:

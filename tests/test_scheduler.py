@@ -1,0 +1,97 @@
+"""The serving scheduler's two ways to run a cycle, driven step by step (no thread, no HTTP): the fused greedy
+cycle over the whole batch and the host cycle that sampled requests need give a greedy request the same
+tokens, also when its cycles switch between them."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.generate import StopCondition
+from specdec.models.torch_gemma import GemmaModel
+from specdec.sampling import SamplingParams
+from specdec.serve.scheduler import Request, Scheduler, SpeculativeConfig
+from specdec.verifiers.torch_engine import TorchEngine
+
+PROMPT = [2, 17, 301, 17, 301, 17, 45, 9, 45, 9]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def engine(random_checkpoints):
+    model = GemmaModel.from_checkpoint(random_checkpoints["gemma3"], max_seq_len=128)
+    return TorchEngine(model, batch=2, max_seq_len=128, k_max=4)
+
+
+def request(prompt, max_new_tokens, sampling=SamplingParams()):
+    return Request(list(prompt), sampling, StopCondition(max_new_tokens), on_update=lambda update: None)
+
+
+class Steps:
+    """A scheduler whose loop the test turns by hand, counting which kind of cycle each step ran."""
+
+    def __init__(self, engine, k: int, fused: bool = True):
+        self.scheduler = Scheduler(engine, SpeculativeConfig("ngram", k) if k else SpeculativeConfig())
+        if not fused:
+            self.scheduler.cycle = None
+        self.ran = []
+        for kind in ("fused", "host"):
+            step = getattr(self.scheduler, f"_{kind}_step")
+            setattr(self.scheduler, f"_{kind}_step", lambda active, step=step, kind=kind: (self.ran.append(kind), step(active)))
+
+    def turn(self) -> None:
+        """One iteration of the scheduler's loop."""
+        self.scheduler._drop_cancelled()
+        self.scheduler._admit()
+        if self.scheduler.running:
+            self.scheduler._step()
+
+    def run(self, req: Request) -> list[int]:
+        self.scheduler.submit(req)
+        while self.scheduler.running or self.scheduler.num_waiting:
+            self.turn()
+        return req.tokens
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_fused_and_host_cycles_emit_the_same_greedy_tokens(engine, k):
+    host = Steps(engine, k, fused=False)
+    fused = Steps(engine, k)
+    assert host.run(request(PROMPT, NEW_TOKENS)) == fused.run(request(PROMPT, NEW_TOKENS))
+    assert set(host.ran) == {"host"} and set(fused.ran) == {"fused"}
+
+
+def test_a_greedy_request_keeps_its_tokens_when_a_sampled_one_joins_and_leaves(engine):
+    solo = Steps(engine, 4).run(request(PROMPT, NEW_TOKENS))
+    steps = Steps(engine, 4)
+    scheduler = steps.scheduler
+    greedy = request(PROMPT, NEW_TOKENS)
+    scheduler.submit(greedy)
+    steps.turn()
+    steps.turn()
+    sampled = request([5, 6, 7, 8], 3, SamplingParams(temperature=1.0, seed=3))
+    scheduler.submit(sampled)
+    while len(sampled.tokens) < 3:
+        steps.turn()
+    steps.turn()
+    assert steps.ran[:2] == ["fused", "fused"] and steps.ran[-2:] == ["host", "fused"]
+    # the fused cycle picked up where the host cycles left the greedy row
+    context = scheduler.rows[0].context
+    assert int(scheduler.cycle.context_len[0]) == len(context) == len(PROMPT) + len(greedy.tokens)
+    assert scheduler.cycle.buffer[0, : len(context)].tolist() == context
+    while scheduler.running:
+        steps.turn()
+    assert greedy.tokens == solo
+
+
+def test_a_cancelled_row_stops_advancing_and_its_row_serves_the_next_request(engine):
+    solo = Steps(engine, 4).run(request(PROMPT[:6], 12))
+    steps = Steps(engine, 4)
+    first = request(PROMPT, NEW_TOKENS)
+    steps.scheduler.submit(first)
+    steps.turn()
+    first.cancel()
+    steps.turn()  # drops it; nothing runs
+    assert steps.scheduler.running == 0 and not steps.scheduler.cycle.limit.any()
+    assert steps.run(request(PROMPT[:6], 12)) == solo
+
+
