@@ -77,6 +77,8 @@ class ModelServer:
         """Start decoding, warm the engine up (compiles, captures), then listen; -> the server's URL."""
         import uvicorn
 
+        if self.target.engine_name == "torch":  # before the scheduler's thread owns the engine
+            self.target.engine.warm_up_prefill()
         self.scheduler.start()
         self.warm_up()
         config = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning",
@@ -93,7 +95,8 @@ class ModelServer:
         return f"http://{self.config.host}:{port}"
 
     def warm_up(self) -> None:
-        """One short greedy and one short sampled generation, so no request pays for compiling."""
+        """One short greedy and one short sampled generation (the fused cycle and the host one), so no request
+        pays for compiling or capturing them."""
         prompt = self.tokenizer.encode("Hello")
         for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
             self.scheduler.generate(prompt, sampling, StopCondition(2))

@@ -188,6 +188,16 @@ class TorchEngine:
         self.lengths[row] = len(prompt) - 1
         return torch.tensor(prompt[-1:], dtype=torch.long, device=self.device)
 
+    def warm_up_prefill(self) -> None:
+        """Compile prefill for every chunk length ahead of the prompts that need it (a server's first requests
+        would otherwise wait for it). dynamo compiles a chunk of one token apart (it specialises sizes of 1),
+        and may compile chunks longer than a sliding layer's ring apart from shorter ones: chunks of 1, 2 and
+        the longest length cover the rest. Row 0 keeps their junk until its next prefill_row."""
+        if not self.compiles:
+            return
+        for length in (1, 2, min(PREFILL_CHUNK, self.max_seq_len - self.width - 1)):
+            self.prefill_row(0, [self.cfg.pad_token_id] * (length + 1))
+
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
             raise SpecdecError("empty prompt")

@@ -1,5 +1,6 @@
 """The PyTorch verifier: prefill/verify/commit, plain greedy decode, bad input; CUDA graphs on GPU."""
 
+import functools
 import hashlib
 
 import pytest
@@ -128,3 +129,22 @@ def test_compiled_forward_matches_eager(model):
     longer = [2, 8, 8, 31, 7, 7, 7, 19, 4, 4, 11]
     assert compiled.greedy_decode(longer, 4) == eager.greedy_decode(longer, 4)
     assert counters["stats"]["unique_graphs"] == graphs  # the new length compiled nothing
+
+
+def test_warm_up_prefill_compiles_every_chunk_length_a_prompt_can_need(random_checkpoints, monkeypatch):
+    """After the warm-up no prompt length makes dynamo compile prefill again. Traced with dynamo's eager backend:
+    what gets recompiled is dynamo's decision, whatever backend compiles the graphs."""
+    from torch._dynamo.utils import counters
+
+    eager_compile = functools.partial(torch.compile, backend="eager")
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    torch._dynamo.reset()
+    model = GemmaModel.from_checkpoint(random_checkpoints["gemma3"], max_seq_len=128)  # a ring of 16 slots
+    engine = TorchEngine(model, batch=2, max_seq_len=128, k_max=4, compile=True)
+    counters.clear()
+    engine.warm_up_prefill()
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled >= 2  # a 1-token chunk is compiled apart
+    for length in (1, 2, 3, 5, 16, 17, 40, 119):
+        engine.prefill_row(length % 2, list(range(5, 6 + length)))
+    assert counters["stats"]["unique_graphs"] == compiled
