@@ -3,6 +3,7 @@
     python scripts/bench_serve.py --url http://127.0.0.1:8000 [--concurrency 1,4,16] [--max-tokens 128]
     python scripts/bench_serve.py --target DIR [--engine torch] [--max-num-seqs 16] \\
         [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}']    # starts a server in-process
+                                                                                   # (the clients run in a child)
 
 Each client sends --requests-per-client streamed completions one after another, prompts taken in turn from
 --prompts (default: scripts/prompts/identical_greedy.jsonl). Prints a table and writes JSON (device, date,
@@ -19,7 +20,7 @@ from pathlib import Path
 from rich.console import Console
 
 from specdec.cli import read_prompts
-from specdec.serve.bench import LoadSettings, plot_load, print_table, run_load
+from specdec.serve.bench import LoadSettings, plot_load, print_table, run_load, run_load_apart
 
 DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "identical_greedy.jsonl"
 
@@ -57,7 +58,7 @@ def main() -> None:
         settings = LoadSettings(url=url.rstrip("/"), prompts=read_prompts(args.prompts), concurrencies=concurrencies,
                                 requests_per_client=args.requests_per_client, max_tokens=args.max_tokens,
                                 temperature=args.temperature)
-        record = run_load(settings)
+        record = run_load(settings) if server is None else run_load_apart(settings)
     finally:
         if server is not None:
             server.stop()

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.serve.app import ModelServer, ServeConfig
-from specdec.serve.bench import LoadSettings, run_load, scrape_metrics as metrics
+from specdec.serve.bench import LoadSettings, run_load_apart, scrape_metrics as metrics
 from specdec.serve.scheduler import SpeculativeConfig
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
@@ -211,8 +211,9 @@ def test_metrics_report_tau_and_acceptance_per_position(served, client):
 
 
 def test_the_load_generator_reports_each_concurrency(served):
-    record = run_load(LoadSettings(url=served[1], prompts=PROMPTS, concurrencies=(1, 3), requests_per_client=2,
-                                   max_tokens=4), log=lambda _: None)
+    """From a process of its own, as bench_serve runs it beside an in-process server."""
+    record = run_load_apart(LoadSettings(url=served[1], prompts=PROMPTS, concurrencies=(1, 3), requests_per_client=2,
+                                         max_tokens=4))
     assert [(level["concurrency"], level["requests"]) for level in record["levels"]] == [(1, 2), (3, 6)]
     assert all(level["tokens"] == 4 * level["requests"] and level["tokens_per_s"] > 0 and level["tau"] >= 1
                for level in record["levels"])

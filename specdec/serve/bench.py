@@ -55,6 +55,16 @@ def run_load(settings: LoadSettings, log=print) -> dict:
             "settings": {**asdict(settings), "prompts": len(settings.prompts)}, "levels": levels}
 
 
+def run_load_apart(settings: LoadSettings) -> dict:
+    """run_load in a process of its own. Beside a server in this process, the clients' threads (streaming,
+    JSON) would hold the server's GIL for their share of the time and slow it down."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_load, settings).result()
+
+
 def _run_level(client, model: str, settings: LoadSettings, concurrency: int) -> dict:
     before = scrape_metrics(settings.url)
     count = concurrency * settings.requests_per_client
