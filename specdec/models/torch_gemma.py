@@ -79,11 +79,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight) if splits == 1 else split_linear(x, weight, splits)
 
 
+SPLIT_MAX_ROWS = 32  # products of more rows keep one GEMM (reduction_splits)
+
+
 def reduction_splits(rows: int, columns: int, reduction: int) -> int:
-    """1, or the slices `linear` splits a product's reduction into: for at most 32 rows, where a weight's
+    """1, or the slices `linear` splits a product's reduction into: for at most SPLIT_MAX_ROWS rows, where a weight's
     128-column tiles would not reach half an H100's or H200's 132 SMs, 4 or 2 slices of a multiple of 64 (4 at
     most: 8 was slower on an H200 for E4B's down projection)."""
-    if rows > 32 or columns > 66 * 128:
+    if rows > SPLIT_MAX_ROWS or columns > 66 * 128:
         return 1
     return next((s for s in (4, 2) if reduction % (64 * s) == 0), 1)
 

@@ -29,8 +29,8 @@ import torch
 from specdec.acceptance.torch_rule import accept_greedy, accept_sampled
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, check_context
-from specdec.models.config import decode_width
-from specdec.models.torch_gemma import GemmaModel, KVCache
+from specdec.models.config import SLIDING, decode_width
+from specdec.models.torch_gemma import SPLIT_MAX_ROWS, GemmaModel, KVCache
 from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams
 
@@ -189,14 +189,18 @@ class TorchEngine:
         return torch.tensor(prompt[-1:], dtype=torch.long, device=self.device)
 
     def warm_up_prefill(self) -> None:
-        """Compile prefill for every chunk length ahead of the prompts that need it (a server's first requests
-        would otherwise wait for it). dynamo compiles a chunk of one token apart (it specialises sizes of 1),
-        and may compile chunks longer than a sliding layer's ring apart from shorter ones: chunks of 1, 2 and
-        the longest length cover the rest. Row 0 keeps their junk until its next prefill_row."""
+        """Compile prefill for every chunk length ahead of the prompts that need it: a server's first requests waited
+        10-80 s for it on an H100. dynamo specialises chunks of 1 and 2 tokens, and its dynamic programs hold
+        guards where the forward branches on the length: at SPLIT_MAX_ROWS rows (a compiled product on a GPU splits
+        its reduction up to there) and at a sliding layer's ring. A chunk on each side of every such edge compiles
+        what any prompt needs. Row 0 keeps their junk until its next prefill_row."""
         if not self.compiles:
             return
-        for length in (1, 2, min(PREFILL_CHUNK, self.max_seq_len - self.width - 1)):
-            self.prefill_row(0, [self.cfg.pad_token_id] * (length + 1))
+        longest = min(PREFILL_CHUNK, self.max_seq_len - self.width - 1)
+        ring = self.cache.slots(SLIDING)
+        for length in sorted({1, 2, 3, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS + 1, ring, ring + 1, longest}):
+            if length <= longest:
+                self.prefill_row(0, [self.cfg.pad_token_id] * (length + 1))
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:

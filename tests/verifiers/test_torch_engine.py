@@ -145,6 +145,6 @@ def test_warm_up_prefill_compiles_every_chunk_length_a_prompt_can_need(random_ch
     engine.warm_up_prefill()
     compiled = counters["stats"]["unique_graphs"]
     assert compiled >= 2  # a 1-token chunk is compiled apart
-    for length in (1, 2, 3, 5, 16, 17, 40, 119):
+    for length in (1, 2, 3, 5, 16, 17, 31, 32, 33, 40, 119):
         engine.prefill_row(length % 2, list(range(5, 6 + length)))
     assert counters["stats"]["unique_graphs"] == compiled
