@@ -124,10 +124,10 @@ def print_table(record: dict, console) -> None:
 
 
 def describe(record: dict) -> str:
-    """A record's server in a few words: engine and drafting."""
+    """A record's server in a few words: engine, commit and drafting."""
     spec = record.get("speculative_config") or {}
     k = spec.get("num_speculative_tokens") if spec.get("method") == "ngram" else 0
-    return f"{record['engine']}, " + (f"n-gram k={k}" if k else "plain decoding")
+    return f"{record['engine']} {record['commit']}, " + (f"n-gram k={k}" if k else "plain decoding")
 
 
 def plot_load(records: list[dict], path) -> None:
@@ -151,8 +151,9 @@ def plot_load(records: list[dict], path) -> None:
         ax.grid(alpha=0.3)
     tokens.legend(fontsize=8)
     first = records[0]
+    commits = {record["commit"] for record in records}  # each line names its own when they differ
     fig.suptitle(f"specdec serve · {first['model']} · {first['device']} · {first['settings']['max_tokens']} tokens "
-                 f"per request · commit {first['commit']}", fontsize=9)
+                 f"per request" + (f" · commit {first['commit']}" if len(commits) == 1 else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
