@@ -35,8 +35,14 @@ class Steps:
             self.scheduler.cycle = None
         self.ran = []
         for kind in ("fused", "host"):
-            step = getattr(self.scheduler, f"_{kind}_step")
-            setattr(self.scheduler, f"_{kind}_step", lambda active, step=step, kind=kind: (self.ran.append(kind), step(active)))
+            setattr(self.scheduler, f"_{kind}_step", self._counted(kind, getattr(self.scheduler, f"_{kind}_step")))
+
+    def _counted(self, kind: str, step):
+        def counted(active):
+            self.ran.append(kind)
+            step(active)
+
+        return counted
 
     def turn(self) -> None:
         """One iteration of the scheduler's loop."""

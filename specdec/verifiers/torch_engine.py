@@ -190,7 +190,7 @@ class TorchEngine:
 
     def warm_up_prefill(self) -> None:
         """Compile prefill for every chunk length ahead of the prompts that need it: a server's first requests waited
-        10-80 s for it on an H100. dynamo specialises chunks of 1 and 2 tokens, and its dynamic programs hold
+        10-94 s for it on an H100. dynamo specialises chunks of 1 and 2 tokens, and its dynamic programs hold
         guards where the forward branches on the length: at SPLIT_MAX_ROWS rows (a compiled product on a GPU splits
         its reduction up to there) and at a sliding layer's ring. A chunk on each side of every such edge compiles
         what any prompt needs. Row 0 keeps their junk until its next prefill_row."""
