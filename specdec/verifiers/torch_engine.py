@@ -190,16 +190,15 @@ class TorchEngine:
 
     def warm_up_prefill(self) -> None:
         """Compile prefill for every chunk length ahead of the prompts that need it: a server's first requests waited
-        10-94 s for it on an H100. dynamo specialises chunks of 1 and 2 tokens, and its dynamic programs hold
-        guards where the forward branches on the length: at SPLIT_MAX_ROWS rows (a compiled product on a GPU splits
-        its reduction up to there) and at a sliding layer's ring. A chunk on each side of every such edge compiles
-        what any prompt needs. Row 0 keeps their junk until its next prefill_row."""
+        10-94 s for it on an H100. dynamo's dynamic program holds a guard where the forward branches on the length,
+        at a sliding layer's ring: a chunk on each side of it, and the longest, compile what any prompt needs.
+        Row 0 keeps their junk until its next prefill_row."""
         if not self.compiles:
             return
         longest = min(PREFILL_CHUNK, self.max_seq_len - self.width - 1)
         ring = self.cache.slots(SLIDING)
-        for length in sorted({1, 2, 3, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS + 1, ring, ring + 1, longest}):
-            if length <= longest:
+        for length in sorted({SPLIT_MAX_ROWS + 1, ring, ring + 1, longest}):
+            if SPLIT_MAX_ROWS < length <= longest:
                 self.prefill_row(0, [self.cfg.pad_token_id] * (length + 1))
 
     def _check_prompt(self, prompt: list[int]) -> None:
@@ -209,7 +208,10 @@ class TorchEngine:
             raise SpecdecError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens")
 
     def _prefill_rows(self, first: int, prompts: list[list[int]]) -> None:
-        """Commit equal-length prompts but their last tokens into rows first.., chunk by chunk."""
+        """Commit equal-length prompts but their last tokens into rows first.., chunk by chunk. Chunks of at most
+        SPLIT_MAX_ROWS tokens run eagerly, some 15 ms more per short prompt on a GPU: compiled, dynamo would build
+        three more programs for them (chunks of 1 and 2 tokens, which it specialises, and those up to
+        SPLIT_MAX_ROWS, where a compiled forward splits its products), about a minute each on an H100."""
         rows = self.cache.rows(first, first + len(prompts))
         ids = torch.tensor([p[:-1] for p in prompts], dtype=torch.long, device=self.device)
         chunks = []
@@ -217,7 +219,8 @@ class TorchEngine:
             for start in range(0, ids.shape[1], PREFILL_CHUNK):
                 chunk = ids[:, start : start + PREFILL_CHUNK]
                 pos = torch.arange(start, start + chunk.shape[1], device=self.device).expand_as(chunk)
-                chunks.append(self._prefill_fn(chunk, pos, rows, hidden_layers=self.hidden_layers, last_only=True)[1])
+                forward = self._prefill_fn if chunk.shape[1] > SPLIT_MAX_ROWS else self.model.forward
+                chunks.append(forward(chunk, pos, rows, hidden_layers=self.hidden_layers, last_only=True)[1])
         if self.hidden_layers:
             hidden = torch.cat(chunks, dim=1) if chunks else torch.zeros(
                 len(prompts), 0, len(self.hidden_layers), self.cfg.hidden_size, dtype=self.model.dtype, device=self.device)

@@ -132,8 +132,9 @@ def test_compiled_forward_matches_eager(model):
 
 
 def test_warm_up_prefill_compiles_every_chunk_length_a_prompt_can_need(random_checkpoints, monkeypatch):
-    """After the warm-up no prompt length makes dynamo compile prefill again. Traced with dynamo's eager backend:
-    what gets recompiled is dynamo's decision, whatever backend compiles the graphs."""
+    """After the warm-up no prompt length makes dynamo compile prefill again (chunks of up to SPLIT_MAX_ROWS tokens
+    run eagerly). Traced with dynamo's eager backend: what gets recompiled is dynamo's decision, whatever backend
+    compiles the graphs."""
     from torch._dynamo.utils import counters
 
     eager_compile = functools.partial(torch.compile, backend="eager")
@@ -144,7 +145,7 @@ def test_warm_up_prefill_compiles_every_chunk_length_a_prompt_can_need(random_ch
     counters.clear()
     engine.warm_up_prefill()
     compiled = counters["stats"]["unique_graphs"]
-    assert compiled >= 2  # a 1-token chunk is compiled apart
+    assert compiled >= 1
     for length in (1, 2, 3, 5, 16, 17, 31, 32, 33, 40, 119):
         engine.prefill_row(length % 2, list(range(5, 6 + length)))
     assert counters["stats"]["unique_graphs"] == compiled
