@@ -101,3 +101,23 @@ def test_a_cancelled_row_stops_advancing_and_its_row_serves_the_next_request(eng
     assert steps.run(request(PROMPT[:6], 12)) == solo
 
 
+
+
+def test_a_request_that_fills_the_context_leaves_its_row_safe_for_the_rows_beside_it(engine):
+    """Its last cycle may accept past its budget; the row must not advance past the context, or the cycles the
+    other rows go on with would run its position past the cache and the RoPE tables."""
+    longest = engine.max_seq_len - engine.width + 1 - len(PROMPT)  # what the server allows without max_tokens
+    short = [7, 3, 7, 3, 7]
+    solo_long = Steps(engine, 4).run(request(PROMPT, longest))
+    solo_short = Steps(engine, 4).run(request(short, 80))
+    steps = Steps(engine, 4)
+    scheduler = steps.scheduler
+    first, second = request(PROMPT, longest), request(short, 80)
+    scheduler.submit(first)
+    while len(first.tokens) < longest - 40:
+        steps.turn()
+    scheduler.submit(second)
+    while scheduler.running:
+        steps.turn()
+    assert (first.tokens, second.tokens) == (solo_long, solo_short)
+    assert int(scheduler.engine.lengths.max()) < engine.max_seq_len - engine.width + 1

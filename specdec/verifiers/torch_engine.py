@@ -407,7 +407,9 @@ class FusedCycle:
         emitted = torch.where(j < num_accepted[:, None], padded, next_token[:, None])
         slots = (self.context_len[:, None] + j).clamp(max=self.buffer.shape[1] - 1)
         self.buffer.scatter_(1, slots, emitted)
-        advance = (num_accepted + 1) * live
+        # A row's last cycle may accept past its budget: it keeps no more than the budget, so the cache does not
+        # either. Past it, the forwards a finished row rides along in would run its positions off the context.
+        advance = torch.minimum(num_accepted + 1, self.limit - self.context_len) * live
         if self.drafter is not None:
             self.drafter.observe(out.hidden, emitted, advance, engine.lengths)
         engine.lengths += advance
