@@ -116,7 +116,6 @@ class _Row:
         self.sampled = None if request.sampling.greedy else RandomStream(ops, request.sampling.seed)
         # The rule's settings without the seed: JAX compiles the rule once per distinct settings.
         self.sampling = replace(request.sampling, seed=None)
-        self.limit = len(request.prompt) + request.stop.max_new_tokens  # the fused cycle's context bound
         self.on_device = True  # the fused cycle's token buffer holds `context` (no host cycle since)
 
 
@@ -272,7 +271,7 @@ class Scheduler:
         for b in active:
             row = self.rows[b]
             if not row.on_device:  # host cycles ran since the buffer last held its context
-                self.cycle.load_row(b, row.context, row.limit)
+                self.cycle.load_row(b, row.context)
                 row.on_device = True
         self._deliver(active, self.cycle.step())
 

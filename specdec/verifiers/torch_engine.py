@@ -366,14 +366,14 @@ class FusedCycle:
         if self.drafter is not None or self.generator is not None:
             raise SpecdecError("rows are admitted one by one only into greedy cycles with a stateless drafter")
         self.verifier.prefill_row(row, prompt)
-        self.load_row(row, prompt, len(prompt) + max_new_tokens)
+        self.load_row(row, prompt)
+        self.limit[row] = len(prompt) + max_new_tokens  # it advances while its context is shorter
 
-    def load_row(self, row: int, context: list[int], limit: int) -> None:
+    def load_row(self, row: int, context: list[int]) -> None:
         """Set one row's tokens (prompt + emitted, the last one pending), whose keys and values but the last are in
-        the cache: the row advances while its context is shorter than `limit` tokens."""
+        the cache."""
         self.buffer[row, : len(context)] = torch.tensor(context, device=self.buffer.device)
         self.context_len[row] = len(context)
-        self.limit[row] = limit
 
     def retire(self, row: int) -> None:
         """Stop one row advancing: it rides along, drafting from the one token it keeps, until it is admitted again."""
