@@ -71,6 +71,7 @@ def load(
     invariant: bool = True,
     compile: bool = False,
     tensor_parallel: int = 1,
+    tp_parts: int | None = None,
     tokenizer_in_child: bool = False,
 ) -> Target:
     """Load a target for generation. Defaults: the embedded Gemma 3 270M, the PyTorch engine, CUDA in
@@ -88,6 +89,10 @@ def load(
     load (launch with `torchrun --nproc-per-node N` and join its group with init_distributed first); every
     process then runs the same generation and gets the same tokens.
 
+    `tp_parts` (torch): compute every split weight in that many parts, on any device count that divides it
+    (torch_gemma.check_tp_parts), so that 1, 2, ... devices decode the same tokens; without it, a bf16 model on
+    2 devices does not decode what it decodes on 1.
+
     `tokenizer_in_child`, for one-off generations: the tokenizer is parsed in a child process while this one
     loads the engine, which takes its parse (about 1.4 s for Gemma's, holding the GIL) off the cold start; each
     encode and decode is then a round trip to that process, so servers and benchmarks keep it in this one.
@@ -103,7 +108,7 @@ def load(
     # nothing (it holds the GIL: docs/benchmarks.md); in a child process it does.
     tokenizer = Tokenizer.from_dir(path, in_child=tokenizer_in_child)
     verifier, cfg = _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant,
-                                 compile, tensor_parallel)
+                                 compile, tensor_parallel, tp_parts)
     target = Target(path, cfg, tokenizer, verifier, engine, time.perf_counter() - start, start)
     if not tokenizer_in_child:  # else generate checks, once its programs compile: the parse may be under way
         target.check_tokenizer()
@@ -111,7 +116,7 @@ def load(
 
 
 def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant, compile,
-                 tensor_parallel=1):
+                 tensor_parallel=1, tp_parts=None):
     from specdec import compile_cache
 
     if tensor_parallel < 1:
@@ -131,12 +136,15 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
         ]
         compile_cache.enable_torch()
         model = GemmaModel.from_checkpoint(path, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
-                                           tp_group=tp_group)
+                                           tp_group=tp_group, tp_parts=tp_parts)
         verifier = TorchEngine(model, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers,
                                invariant=invariant, compile=compile and device.startswith("cuda"))
         cfg = model.cfg
     else:
         from specdec.verifiers.jax_engine import JaxEngine
+
+        if tp_parts is not None:
+            raise SpecdecError("tensor-parallel parts (--tp-parts) are a torch engine option")
 
         # XLA reserves 75% of a GPU's memory when it first starts: 1-2 s of every command on an H200
         # (docs/benchmarks.md, issue 8). Allocate on demand instead, unless the user has chosen.

@@ -76,6 +76,7 @@ def generate(
     invariant: bool = typer.Option(True, help="row-invariant forwards: greedy output identical to plain decoding"),
     compile: Optional[bool] = typer.Option(None, help="torch.compile the forward (CUDA): ~2.5x faster decoding after 10-45 s of compiling [default: from 2048 new tokens on]"),
     tensor_parallel: int = typer.Option(1, help="split the model over N devices (torch: launch with torchrun --nproc-per-node N; JAX: this process's first N devices)"),
+    tp_parts: Optional[int] = typer.Option(None, help="torch: compute each split weight in P parts on any device count dividing P, so 1..P devices decode identical tokens (costs launches)"),
 ):
     """Generate text, streaming it, then print set-up and decoding times, tau, acceptance and tok/s."""
     import specdec
@@ -99,7 +100,7 @@ def generate(
 
     loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=max(k, 1), max_seq_len=max_seq_len,
                           invariant=invariant, compile=compile, hidden_layers=drafter_taps(drafter, target),
-                          tensor_parallel=tensor_parallel, tokenizer_in_child=True)
+                          tensor_parallel=tensor_parallel, tp_parts=tp_parts, tokenizer_in_child=True)
     out = sys.stdout if rank == 0 else io.StringIO()
     out.write(prompt)
     out.flush()

@@ -24,8 +24,9 @@ recompile dynamic in T after the second width.
 
 Tensor parallel over N devices (`--tensor-parallel 1,2`): torch runs one process per device under torchrun (NCCL;
 gloo on the CPU), JAX one process over a mesh of N devices. The roofline is then N devices' bandwidth over the
-same bytes, and every row keeps the greedy tokens it decoded, so the table says whether N devices decode what
-one does.
+same bytes, and every row keeps the greedy tokens it decoded and a digest of the logits of one verify forward, so
+the table says whether N devices decode, and compute to the bit, what one does. `--tp-parts P` runs the torch
+rows in P parts on every device count (torch_gemma.check_tp_parts), which is what makes them agree in bf16.
 """
 
 from __future__ import annotations
@@ -77,12 +78,21 @@ def log(msg: str) -> None:
 
 
 def model_config(name: str, args) -> dict:
-    """The raw config of a model name (the 270M's from --config-270m or the imported checkpoint)."""
+    """The raw config of a model name (the 270M's from --config-270m or the imported checkpoint), cut to its
+    first --layers layers when given."""
     if args.tiny:
-        return {"270m": GEMMA3_TINY, "31b": GEMMA4_TINY, "e4b": E4B_TINY}[name]
-    if name == "270m":
-        return json.loads(Path(args.config_270m or (checkpoint_270m() / "config.json")).read_text())
-    return {"31b": GEMMA4_31B, "e4b": GEMMA4_E4B}[name]
+        raw = {"270m": GEMMA3_TINY, "31b": GEMMA4_TINY, "e4b": E4B_TINY}[name]
+    elif name == "270m":
+        raw = json.loads(Path(args.config_270m or (checkpoint_270m() / "config.json")).read_text())
+    else:
+        raw = {"31b": GEMMA4_31B, "e4b": GEMMA4_E4B}[name]
+    if args.layers:
+        if raw.get("num_kv_shared_layers"):
+            raise SystemExit("specdec roofline: --layers does not cut a model whose last layers share caches (e4b)")
+        raw = dict(raw, num_hidden_layers=args.layers)
+        if "layer_types" in raw:
+            raw["layer_types"] = raw["layer_types"][: args.layers]
+    return raw
 
 
 def checkpoint_270m() -> Path:
@@ -147,6 +157,28 @@ def time_plain_decode(new_cycle, prompt: list[int], args, first_steps: int, warm
     return step, greedy_tokens(new_cycle(), prompt, args.tokens)
 
 
+def logits_digest(engine, prompt: list[int]) -> str:
+    """A digest of the float32 logits of one verify forward of K_MAX + 1 tokens after `prompt`: equal digests
+    on 1 and N devices mean they compute the same bits, a stronger test than the greedy tokens of random weights."""
+    import hashlib
+
+    import numpy as np
+
+    pending = int(np.asarray(engine.prefill([prompt]))[0])
+    tokens = [[pending] + [(pending + 1 + i) % engine.vocab_size for i in range(K_MAX)]]
+    if hasattr(engine, "device"):  # torch
+        import torch
+
+        tokens = torch.tensor(tokens)
+    else:
+        import jax.numpy as jnp
+
+        tokens = jnp.asarray(tokens, jnp.int32)
+    logits = engine.verify(tokens).logits
+    logits = logits.float().cpu().numpy() if hasattr(logits, "cpu") else np.asarray(logits, np.float32)
+    return hashlib.sha256(np.ascontiguousarray(logits).tobytes()).hexdigest()[:16]
+
+
 def time_verify(engine, prompt: list[int], T: int, reps: int) -> float:
     """Median seconds of a T-token verify (graph replay) at a fixed position of a TorchEngine, synchronised."""
     import torch
@@ -176,13 +208,15 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         dist.init_process_group("nccl" if cuda else "gloo")
         group, rank = dist.group.WORLD, dist.get_rank()
     if checkpoint:
-        model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=CONTEXT, tp_group=group)
+        model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=CONTEXT, tp_group=group,
+                                           tp_parts=args.tp_parts)
     else:
-        model = GemmaModel.random(cfg, dtype, device, CONTEXT, tp_group=group)
+        model = GemmaModel.random(cfg, dtype, device, CONTEXT, tp_group=group, tp_parts=args.tp_parts)
     engine = TorchEngine(model, max_seq_len=CONTEXT, k_max=K_MAX, compile=cuda and args.torch_compile)
     with torch.inference_mode():
         step, tokens = time_plain_decode(lambda: FusedCycle(engine, None, 0), prompt, args, 8, 3,
                                          "compiled and captured")
+        digest = logits_digest(engine, prompt)
 
         def verify_s(width: int) -> float:
             per_width = TorchEngine(model, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
@@ -208,7 +242,8 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         return None
     return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": dtype.itemsize,
             "device": torch.cuda.get_device_name() if cuda else "cpu", "version": torch.__version__,
-            "compiled": cuda and args.torch_compile, "tokens": tokens, "verify_ms": verify_ms}
+            "compiled": cuda and args.torch_compile, "tokens": tokens, "logits_digest": digest, "verify_ms": verify_ms,
+            "tp_parts": args.tp_parts}
 
 
 def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) -> dict:
@@ -228,6 +263,7 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
     engine = JaxEngine(cfg, params, max_seq_len=CONTEXT, k_max=K_MAX, mesh=make_mesh(tp) if tp > 1 else None)
     del params  # a mesh's shards are copies: one model's weights held, not two
     step, tokens = time_plain_decode(lambda: JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")
+    digest = logits_digest(engine, prompt)
 
     def verify_s(width: int) -> float:
         per_width = JaxEngine(cfg, engine.params, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
@@ -250,7 +286,7 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
     device = jax.devices()[0]
     return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": jnp.dtype(dtype).itemsize,
             "device": device.device_kind, "version": jax.__version__, "compiled": True, "tokens": tokens,
-            "verify_ms": verify_ms}
+            "logits_digest": digest, "verify_ms": verify_ms}
 
 
 def child(engine: str, name: str, tp: int, args) -> dict | None:
@@ -285,6 +321,8 @@ def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dic
     command += ["--tiny"] * args.tiny + ["--no-torch-compile"] * (not args.torch_compile)
     command += ["--verify-widths", ",".join(map(str, args.verify_widths))] if args.verify_widths else []
     command += ["--config-270m", str(args.config_270m)] if args.config_270m else []
+    command += ["--tp-parts", str(args.tp_parts)] if args.tp_parts and engine == "torch" else []
+    command += ["--layers", str(args.layers)] if args.layers else []
     return command, env
 
 
@@ -339,27 +377,33 @@ def first_difference(tokens: list[int], reference: list[int]) -> str:
 
 
 def table(record: dict) -> str:
-    """Per row: the fraction of roofline, JAX's step over torch's (same model and devices), the speed-up over
-    the same engine on one device, whether its greedy tokens are that run's ("from i": they differ from token
-    i on) and how many distinct tokens they hold (random weights at depth often repeat one token, which makes
-    the comparison weak); and each row's commit where merged runs differ in it."""
+    """Per row: its tensor-parallel parts, the fraction of roofline, JAX's step over torch's (same model and
+    devices, no parts), the speed-up over the same engine and parts on one device, whether its greedy tokens are
+    that run's ("from i": they differ from token i on) and its logits digest too ("bits"), and how many distinct
+    tokens they hold (random weights at depth often repeat one token, which makes the tokens' comparison weak);
+    and each row's commit where merged runs differ in it."""
     merged = len(row_commits(record)) > 1
     lines = [f"{record['device']}: copy bandwidth {record['copy_bandwidth'] / 1e9:.0f} GB/s per device, batch 1, "
              "invariant width",
-             f"{'model':<6} {'engine':<6} {'devs':>4} {'GB/step':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} "
-             f"{'fraction':>9} {'jax/torch':>10} {'x 1 dev':>8} {'= 1 dev':>8} {'distinct':>8}" + ("  commit" if merged else "")]
-    by_key = {(r["model"], r["engine"], r.get("tensor_parallel", 1)): r for r in record["rows"]}
+             f"{'model':<6} {'engine':<6} {'devs':>4} {'parts':>5} {'GB/step':>8} {'step ms':>8} {'tok/s':>8} "
+             f"{'roofline':>9} {'fraction':>9} {'jax/torch':>10} {'x 1 dev':>8} {'= 1 dev':>8} {'bits':>5} {'distinct':>8}"
+             + ("  commit" if merged else "")]
+    key = lambda r: (r["model"], r["engine"], r.get("tensor_parallel", 1), r.get("tp_parts"))  # noqa: E731
+    by_key = {key(r): r for r in record["rows"]}
     for r in record["rows"]:
-        tp = r.get("tensor_parallel", 1)
-        torch_row, jax_row = by_key.get((r["model"], "torch", tp)), by_key.get((r["model"], "jax", tp))
+        model, engine, tp, parts = key(r)
+        torch_row, jax_row = by_key.get((model, "torch", tp, None)), by_key.get((model, "jax", tp, None))
         ratio = jax_row["step_s"] / torch_row["step_s"] if torch_row and jax_row else math.nan
-        single = by_key.get((r["model"], r["engine"], 1))
+        single = by_key.get((model, engine, 1, parts))
         speedup = single["step_s"] / r["step_s"] if single and tp > 1 else math.nan
-        same = "" if not single or tp == 1 or "tokens" not in r else first_difference(r["tokens"], single["tokens"])
+        compared = single is not None and tp > 1
+        same = first_difference(r["tokens"], single["tokens"]) if compared and "tokens" in r else ""
+        bits = "" if not compared or "logits_digest" not in r else (
+            "yes" if r["logits_digest"] == single.get("logits_digest") else "no")
         roof, frac = r["roofline_tok_s"], r["fraction_of_roofline"]
-        lines.append(f"{r['model']:<6} {r['engine']:<6} {tp:>4} {r['bytes_per_step']['total'] / 1e9:>8.3f} "
+        lines.append(f"{model:<6} {engine:<6} {tp:>4} {parts or '':>5} {r['bytes_per_step']['total'] / 1e9:>8.3f} "
                      f"{r['step_s'] * 1e3:>8.3f} {r['tok_s']:>8.1f} {roof or math.nan:>9.1f} {frac or math.nan:>9.2f} "
-                     f"{ratio:>10.2f} {speedup:>8.2f} {same:>8} {len(set(r.get('tokens', []))):>8}"
+                     f"{ratio:>10.2f} {speedup:>8.2f} {same:>8} {bits:>5} {len(set(r.get('tokens', []))):>8}"
                      + (f"  {r['commit']}" if merged else ""))
     for r in record["rows"]:
         verify = {int(t): ms for t, ms in r.get("verify_ms", {}).items()}
@@ -376,8 +420,8 @@ def plot(record: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     def group(r: dict) -> str:
-        tp = r.get("tensor_parallel", 1)
-        return r["model"] if tp == 1 else f"{r['model']} on {tp}"
+        tp, parts = r.get("tensor_parallel", 1), r.get("tp_parts")
+        return (r["model"] if tp == 1 else f"{r['model']} on {tp}") + (f", {parts} parts" if parts else "")
 
     def series(r: dict) -> str:  # runs of several commits merged: one bar per engine and commit
         return f"{r['engine']} {r['commit']}" if merged else r["engine"]
@@ -425,6 +469,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=128, help="decode steps timed per (engine, model)")
     parser.add_argument("--tensor-parallel", default="1", help="comma-separated device counts, e.g. 1,2")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens kept per row (compared across devices)")
+    parser.add_argument("--layers", type=int, help="cut each model to its first N layers (shorter compiles, the "
+                        "same layer shapes; the 270m and 31b)")
+    parser.add_argument("--tp-parts", type=int, help="torch: compute each split weight in this many parts on every "
+                        "device count (torch_gemma.check_tp_parts), so that 1..P devices compute the same bits")
     parser.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
                         help="torch: CUDA graphs of the eager forward (no torch.compile)")
     parser.add_argument("--verify-widths", type=lambda text: [int(t) for t in text.split(",")], default=[],

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, rope_inv_freq, tp_split_axis, vocab_rows
+from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tensor_parallel, rope_inv_freq,
+                                   tp_split_axis, vocab_rows)
 
 # Experts are gathered per token while that reads fewer weights than running every expert densely.
 def _gather_experts(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -132,6 +133,15 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.cfg)
 
 
+def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
+    """The devices' `x` [N, ...] concatenated along the first dimension in rank order, [devices * N, ...]. A
+    functional collective, so torch.compile traces it and CUDA graphs capture it."""
+    from torch.distributed import _functional_collectives as collectives
+
+    gather = getattr(collectives, "all_gather_single", None) or collectives.all_gather_tensor  # renamed in torch 2.13
+    return gather(x.contiguous(), 0, group)
+
+
 def sum_across(x: torch.Tensor, group) -> torch.Tensor:
     """The sum of the devices' partial outputs of a row-parallel linear (tensor parallelism; group None:
     one device, nothing to sum). A functional collective, so torch.compile traces it and CUDA graphs capture it."""
@@ -147,11 +157,28 @@ def gather_across(x: torch.Tensor, group) -> torch.Tensor:
     vocabulary-split LM head). A functional collective, as sum_across. Gathered along the first dimension and
     rearranged here: a gather along another dimension chunks and concatenates in a helper that torch.compile
     refuses to trace (torch 2.11)."""
-    from torch.distributed import _functional_collectives as collectives
-
-    gather = getattr(collectives, "all_gather_single", None) or collectives.all_gather_tensor  # renamed in torch 2.13
-    stacked = gather(x.contiguous(), 0, group).view(-1, *x.shape)  # [devices, ...]
+    stacked = _gather_first(x, group).view(-1, *x.shape)  # [devices, ...]
     return stacked.movedim(0, -2).flatten(-2)
+
+
+def sum_parts(partials: list[torch.Tensor], group) -> torch.Tensor:
+    """The output of a row-parallel linear computed in parts (GemmaModel's `tp_parts`) from its parts' partial
+    outputs: every device's parts gathered in rank order, added one by one in float32 and rounded once. One
+    device holding every part and two devices holding half of them each add the same partials in the same
+    order, so they agree to the bit (an all-reduce's order is the library's)."""
+    stacked = torch.stack(partials)
+    if group is not None:
+        stacked = _gather_first(stacked, group)  # [all parts, ...]
+    total = stacked[0].float()
+    for part in stacked.unbind(0)[1:]:
+        total = total + part.float()
+    return total.to(stacked.dtype)
+
+
+def row_part(weight: torch.Tensor, part: int, parts: int) -> torch.Tensor:
+    """Part `part` of a row-parallel weight: its slice of the input columns, [out, in / parts]. Packed (Packed.pack)
+    it is a contiguous [parts, out, in / parts] matrix, laid out as a device holding that part alone holds it."""
+    return weight[part] if weight.dim() == 3 else weight.chunk(parts, dim=-1)[part]
 
 
 def lookup(table: torch.Tensor, tokens: torch.Tensor, first_row: int | None, group) -> torch.Tensor:
@@ -170,11 +197,17 @@ class Packed(nn.Module):
     """Linears that read one input, run as one GEMM: at decode a small GEMM costs a launch (~4 us on an
     H100) however few rows it has, so q/k/v and gate/up packed make a layer 4 GEMMs instead of 7. The
     linears keep their checkpoint names; `pack` (after the weights are loaded) makes each weight a view
-    into one packed matrix, and until then `project` concatenates them."""
+    into one packed matrix, and until then `project` concatenates them.
 
-    def __init__(self, names: tuple[str, ...]):
+    In `parts` (GemmaModel's `tp_parts`), each part's rows of every linear are packed together, [parts, rows of a
+    part, in], and the row-parallel linear `row_parallel` (whose input the parts split) becomes its parts'
+    column slices, [parts, out, in / parts]: each part is then the matrix a device holding it alone would hold."""
+
+    def __init__(self, names: tuple[str, ...], row_parallel: str, parts: int | None):
         super().__init__()
         self.names = names
+        self.row_parallel = row_parallel
+        self.parts = parts
         self.register_buffer("packed", None, persistent=False)
 
     def linears(self) -> list[nn.Linear]:
@@ -182,32 +215,53 @@ class Packed(nn.Module):
 
     def pack(self) -> None:
         linears = self.linears()
-        packed = torch.cat([lin.weight.detach() for lin in linears])
+        if self.parts is None:
+            packed = torch.cat([lin.weight.detach() for lin in linears])
+        else:
+            packed = torch.stack([torch.cat([lin.weight.detach().chunk(self.parts)[part] for lin in linears])
+                                  for part in range(self.parts)])
+            out = getattr(self, self.row_parallel)
+            out.weight = nn.Parameter(torch.stack(out.weight.detach().chunk(self.parts, dim=-1)), requires_grad=False)
         start = 0
         for lin in linears:
-            rows = lin.weight.shape[0]
-            lin.weight = nn.Parameter(packed[start : start + rows], requires_grad=False)
+            rows = lin.weight.shape[0] // (self.parts or 1)
+            lin.weight = nn.Parameter(packed[..., start : start + rows, :], requires_grad=False)
             start += rows
         self.packed = packed
 
-    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x through every linear of `names` the module has, in that order."""
+    def project(self, x: torch.Tensor, part: int = 0) -> list[torch.Tensor]:
+        """x through every linear of `names` the module has, in that order (in `parts`: their rows of `part`)."""
         linears = self.linears()
-        weight = self.packed if self.packed is not None else torch.cat([lin.weight for lin in linears])
-        return list(linear(x, weight).split([lin.weight.shape[0] for lin in linears], dim=-1))
+        if self.parts is None:
+            weight = self.packed if self.packed is not None else torch.cat([lin.weight for lin in linears])
+            rows = [lin.weight.shape[0] for lin in linears]
+        else:
+            weight = (self.packed[part] if self.packed is not None
+                      else torch.cat([lin.weight.chunk(self.parts)[part] for lin in linears]))
+            rows = [lin.weight.shape[-2] // (1 if self.packed is not None else self.parts) for lin in linears]
+        return list(linear(x, weight).split(rows, dim=-1))
+
+    def combine(self, outputs, group) -> torch.Tensor:
+        """The row-parallel linear's output: over `outputs` (one input per part, in `parts`; else the one input),
+        summed across the tensor-parallel group."""
+        weight = getattr(self, self.row_parallel).weight
+        if self.parts is None:
+            return sum_across(linear(outputs, weight), group)
+        return sum_parts([linear(x, row_part(weight, part, self.parts)) for part, x in enumerate(outputs)], group)
 
 
 class MLP(Packed):
-    def __init__(self, hidden: int, intermediate: int, tp_group=None):
-        super().__init__(("gate_proj", "up_proj"))
+    def __init__(self, hidden: int, intermediate: int, tp_group=None, parts: int | None = None):
+        super().__init__(("gate_proj", "up_proj"), "down_proj", parts)
         self.tp_group = tp_group
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.project(x)
-        return sum_across(linear(gelu_gate(gate, up), self.down_proj.weight), self.tp_group)
+        if self.parts is None:
+            return self.combine(gelu_gate(*self.project(x)), self.tp_group)
+        return self.combine([gelu_gate(*self.project(x, part)) for part in range(self.parts)], self.tp_group)
 
 
 @dataclass
@@ -257,21 +311,22 @@ class ChunkContext:
     cache_mask: dict[str, torch.Tensor]  # kind -> [B, 1, 1, T, S] bool, True = may attend
     chunk_mask: dict[str, torch.Tensor] | None  # kind -> [B, 1, 1, T, T]; None: committed first (decode)
     slots: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # kind -> (rows, slot, position) to write
-    pending_writes: list  # prefill: (layer index, stored keys [B,n_kv,T,hd], values or None)
+    pending_writes: list  # prefill: (layer index, stored keys [B,n_kv,T,hd], values or None, first KV head)
 
     @property
     def committed_first(self) -> bool:
         return self.chunk_mask is None
 
 
-def _write_kv(cache: KVCache, index: int, slots, keys: torch.Tensor, values: torch.Tensor | None) -> None:
+def _write_kv(cache: KVCache, index: int, slots, keys: torch.Tensor, values: torch.Tensor | None,
+              first_head: int = 0) -> None:
     """Store a chunk's keys (and values) [B, n_kv, T, hd] of layer `index` at their slots (the last
-    `slots` tokens when the chunk is longer than a ring). Indexed in the cache's own layout: written through a
-    transposed view, the compiled CUDA forward copied each layer's whole cache out and back per forward
-    (a 31B step on an H200 took 1.2 ms longer)."""
+    `slots` tokens when the chunk is longer than a ring), as KV heads first_head.. of the cache. Indexed in the
+    cache's own layout: written through a transposed view, the compiled CUDA forward copied each layer's whole
+    cache out and back per forward (a 31B step on an H200 took 1.2 ms longer)."""
     rows, slot, _ = slots
     n = slot.shape[1]
-    heads = torch.arange(keys.shape[1], device=keys.device)[None, :, None]
+    heads = torch.arange(first_head, first_head + keys.shape[1], device=keys.device)[None, :, None]
     where = (rows[:, :, None], heads, slot[:, None, :])  # -> [B, n_kv, n]
     cache.keys[index].index_put_(where, keys[:, :, -n:])
     if values is not None:
@@ -279,8 +334,8 @@ def _write_kv(cache: KVCache, index: int, slots, keys: torch.Tensor, values: tor
 
 
 class Attention(Packed):
-    def __init__(self, cfg: GemmaConfig, spec: LayerSpec, tp_group=None):
-        super().__init__(("q_proj", "k_proj", "v_proj"))
+    def __init__(self, cfg: GemmaConfig, spec: LayerSpec, tp_group=None, parts: int | None = None):
+        super().__init__(("q_proj", "k_proj", "v_proj"), "o_proj", parts)
         self.tp_group = tp_group
         self.spec = spec
         self.num_heads = cfg.num_heads
@@ -320,29 +375,42 @@ class Attention(Packed):
         return k, v, (k, v)
 
     def forward(self, x, ctx: ChunkContext, cache: KVCache, shared_kv: dict):
-        B, T, _ = x.shape
+        if self.parts is None:
+            return self.combine(self._attend(self.project(x), 0, ctx, cache, shared_kv), self.tp_group)
+        return self.combine([self._attend(self.project(x, part), part, ctx, cache, shared_kv)
+                             for part in range(self.parts)], self.tp_group)
+
+    def _attend(self, projected: list[torch.Tensor], part: int, ctx: ChunkContext, cache: KVCache, shared_kv: dict):
+        """Attention of one part's query heads over its KV heads (in `parts`; else of every head here) from their
+        projections [q, then k and v where this layer has them], [B, T, heads * hd], before o_proj."""
         spec = self.spec
-        hd, kind, nkv = spec.head_dim, spec.kind, spec.num_kv_heads
-        groups = self.num_heads // nkv
-        q, *raw_kv = self.project(x)  # q, then k and v where this layer has them
-        q = apply_rope(self.q_norm(q.view(B, T, self.num_heads, hd)), ctx.cos[kind], ctx.sin[kind])
+        hd, kind = spec.head_dim, spec.kind
+        nkv = spec.num_kv_heads // (self.parts or 1)
+        groups = self.num_heads // spec.num_kv_heads
+        heads = slice(part * nkv, (part + 1) * nkv)  # this part's KV heads of the cache
+        in_part = (lambda t: t) if (self.parts or 1) == 1 else (lambda t: t[:, heads])
+        q, *raw_kv = projected
+        B, T, _ = q.shape
+        q = apply_rope(self.q_norm(q.view(B, T, nkv * groups, hd)), ctx.cos[kind], ctx.sin[kind])
         # [B, n_kv, groups*T, hd]: query head h uses kv head h // groups
         q = q.view(B, T, nkv, groups, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, groups * T, hd)
 
         if spec.owns_cache:
             k_new, v_new, stored = self.project_kv(raw_kv, ctx)
             if ctx.committed_first:
-                _write_kv(cache, spec.index, ctx.slots[kind], *stored)
+                _write_kv(cache, spec.index, ctx.slots[kind], *stored, first_head=heads.start)
             else:
-                ctx.pending_writes.append((spec.index, *stored))
-                shared_kv[spec.index] = (k_new, v_new)
+                ctx.pending_writes.append((spec.index, *stored, heads.start))
+                shared_kv[spec.index, part] = (k_new, v_new)
         elif not ctx.committed_first:
-            k_new, v_new = shared_kv[spec.kv_source]
-        k_old = cache.keys[spec.kv_source]
+            k_new, v_new = shared_kv[spec.kv_source, part]
+        k_old = in_part(cache.keys[spec.kv_source])
         v_old = cache.values[spec.kv_source]
         if v_old is None:  # k_eq_v: the stored tensor is V; rebuild K at the stored positions
             v_old = k_old
             k_old = self._keys_from_stored(k_old, ctx.cached_cos[kind], ctx.cached_sin[kind])
+        else:
+            v_old = in_part(v_old)
 
         # Decode: the cache alone. Prefill: [cached slots | this chunk] without concatenating the cache;
         # scores are joined for one softmax, then split again for the value products.
@@ -358,8 +426,7 @@ class Attention(Packed):
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, nkv, groups * T, width)
         widths = [v.shape[2] for _, v, _ in parts]
         out = sum(p @ v for p, (_, v, _) in zip(probs.split(widths, dim=-1), parts))
-        out = out.view(B, nkv, groups, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.num_heads * hd)
-        return sum_across(linear(out, self.o_proj.weight), self.tp_group)
+        return out.view(B, nkv, groups, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nkv * groups * hd)
 
 
 class Router(nn.Module):
@@ -419,11 +486,11 @@ class Experts(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: GemmaConfig, spec: LayerSpec, tp_group=None):
+    def __init__(self, cfg: GemmaConfig, spec: LayerSpec, tp_group=None, parts: int | None = None):
         super().__init__()
         h = cfg.hidden_size
-        self.self_attn = Attention(cfg, spec, tp_group)
-        self.mlp = MLP(h, spec.intermediate_size, tp_group)
+        self.self_attn = Attention(cfg, spec, tp_group, parts)
+        self.mlp = MLP(h, spec.intermediate_size, tp_group, parts)
         self.input_layernorm = RMSNorm(h, cfg)
         self.post_attention_layernorm = RMSNorm(h, cfg)
         self.pre_feedforward_layernorm = RMSNorm(h, cfg)
@@ -464,6 +531,26 @@ class DecoderLayer(nn.Module):
         return x
 
 
+def check_tp_parts(cfg: GemmaConfig, parts: int, devices: int) -> None:
+    """Tensor-parallel parts (GemmaModel's `tp_parts`). In bf16 a split changes the arithmetic: a row-parallel
+    linear's halves are rounded before they are added, and a GEMM of half the width may be tiled or split
+    differently by the GEMM library, so 2 devices do not emit the greedy tokens 1 device emits. With
+    `parts` P, every split weight (heads, MLP columns, the LM head's vocabulary) is computed as P GEMMs of a
+    P-way split's shapes on any device count N that divides P, each device running P / N of them, and the
+    row-parallel partial outputs are added in one fixed order (sum_parts). Every N then runs the same kernels
+    on the same operands, and decodes the same tokens. It costs more launches (P / N GEMMs where there was one)
+    and a gather of the partial outputs in place of an all-reduce. One line for what cannot be split so."""
+    from specdec.errors import SpecdecError
+
+    if parts < 1 or parts % devices:
+        raise SpecdecError(f"tensor-parallel parts must be a positive multiple of the {devices} device(s), got {parts}")
+    if cfg.enable_moe_block:
+        raise SpecdecError("tensor-parallel parts do not cover MoE experts (their outputs are summed per device)")
+    if cfg.vocab_size % parts:
+        raise SpecdecError(f"tensor-parallel parts: {parts} parts do not divide the vocabulary of {cfg.vocab_size}")
+    check_tensor_parallel(cfg, parts)
+
+
 def group_shard(tp_group) -> tuple[int, int] | None:
     """(this device's rank, the group's size) of a tensor-parallel group, as checkpoint.shard_index takes it;
     None without a group."""
@@ -494,20 +581,26 @@ def _embedding(num: int, dim: int) -> nn.Embedding:
 class GemmaModel(nn.Module):
     """The text model; parameter names are the checkpoint's stripped HF names."""
 
-    def __init__(self, cfg: GemmaConfig, max_seq_len: int = 4096, tp_group=None):
+    def __init__(self, cfg: GemmaConfig, max_seq_len: int = 4096, tp_group=None, tp_parts: int | None = None):
         """`tp_group`: a torch.distributed group over which the model runs tensor-parallel; `cfg` is then this
         device's share (GemmaConfig.shard): the outputs of o_proj and down_proj are summed across it, and the
         token tables it splits by vocabulary (config.tp_split_axis) are looked up across it, the LM head's
-        logits gathered from it."""
+        logits gathered from it.
+
+        `tp_parts` (module docstring of check_tp_parts): every split weight is computed in that many parts on
+        any number of devices that divides it, so that they all compute the same bits."""
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group
+        self.tp_parts = tp_parts
+        devices = 1 if tp_group is None else group_shard(tp_group)[1]
+        self.parts = None if tp_parts is None else tp_parts // devices  # the parts this device computes
         h = cfg.hidden_size
         # This device's rows of each token table (None: the table is whole).
         self.vocab_share = {name: _vocab_share(cfg, name, group_shard(tp_group))
                             for name in ("embed_tokens.weight", "embed_tokens_per_layer.weight")}
         self.embed_tokens = _embedding(self._rows("embed_tokens.weight"), h)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, spec, tp_group) for spec in cfg.layers])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, spec, tp_group, self.parts) for spec in cfg.layers])
         self.norm = RMSNorm(h, cfg)
         if not cfg.tie_word_embeddings:  # split as the embedding is: the same vocabulary
             self.lm_head = nn.Linear(h, self._rows("embed_tokens.weight"), bias=False)
@@ -527,17 +620,19 @@ class GemmaModel(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path, dtype=torch.float32, device="cpu", max_seq_len: int = 4096,
-                        tp_group=None) -> "GemmaModel":
+                        tp_group=None, tp_parts: int | None = None) -> "GemmaModel":
         """`tp_group`: load this device's share of a tensor-parallel model over the group (each device reads
-        only its slices of the split weights)."""
+        only its slices of the split weights); `tp_parts`: as __init__'s."""
         from specdec.models.checkpoint import load_checkpoint
 
         shard = group_shard(tp_group)
         cfg, tensors = load_checkpoint(path, framework="pt", dtype=dtype, device=device, shard=shard)
+        if tp_parts is not None:
+            check_tp_parts(cfg, tp_parts, 1 if shard is None else shard[1])
         if shard is not None:
             cfg = cfg.shard(shard[1])
         with torch.device("meta"):
-            model = cls(cfg, max_seq_len, tp_group)
+            model = cls(cfg, max_seq_len, tp_group, tp_parts)
         model.load_state_dict(tensors, strict=True, assign=True)
         model._build_rope_tables()  # non-persistent buffers are rebuilt off the meta device
         del tensors  # packing frees each separate weight only once nothing else holds it (else: twice the memory)
@@ -545,7 +640,7 @@ class GemmaModel(nn.Module):
 
     @classmethod
     def random(cls, cfg: GemmaConfig, dtype=torch.bfloat16, device="cpu", max_seq_len: int = 4096,
-               seed: int = 0, tp_group=None) -> "GemmaModel":
+               seed: int = 0, tp_group=None, tp_parts: int | None = None) -> "GemmaModel":
         """Random weights of a config, drawn on the device (benchmarks at real shapes; jax_gemma.random_params
         is the JAX twin): matrices ~ N(0, 1/fan_in), norms and scalars at their neutral value. Each matrix is
         drawn whole from its own seed, so the devices of a tensor-parallel model (`tp_group`: this device
@@ -553,9 +648,11 @@ class GemmaModel(nn.Module):
         from specdec.models.checkpoint import expected_shapes, shard_index
 
         shard = group_shard(tp_group)
+        if tp_parts is not None:
+            check_tp_parts(cfg, tp_parts, 1 if shard is None else shard[1])
         local = cfg if shard is None else cfg.shard(shard[1])
         with torch.device("meta"):
-            model = cls(local, max_seq_len, tp_group)
+            model = cls(local, max_seq_len, tp_group, tp_parts)
         model = model.to(dtype).to_empty(device=device)  # cast on the meta device: nothing allocated in fp32
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
         neutral = 1.0 - cfg.norm_weight_offset  # Gemma 3 norms scale by (1 + w), Gemma 4 by w
@@ -659,8 +756,8 @@ class GemmaModel(nn.Module):
 
     def _commit(self, ctx: ChunkContext, cache: KVCache) -> None:
         """Prefill: write the chunk's keys/values and positions into their slots after the last layer."""
-        for index, k, v in ctx.pending_writes:
-            _write_kv(cache, index, ctx.slots[self.cfg.layers[index].kind], k, v)
+        for index, k, v, first_head in ctx.pending_writes:
+            _write_kv(cache, index, ctx.slots[self.cfg.layers[index].kind], k, v, first_head)
         for kind, (rows, slot, pos) in ctx.slots.items():
             cache.slot_pos[kind].index_put_((rows, slot), pos)
 
@@ -695,7 +792,10 @@ class GemmaModel(nn.Module):
         hidden = torch.stack(taps, dim=2) if hidden_layers else None
         x = self.norm(x[:, -1:] if last_only else x)
         head = self.lm_head.weight if not cfg.tie_word_embeddings else self.embed_tokens.weight
-        logits = F.linear(x, head)
+        if self.parts is None:
+            logits = F.linear(x, head)
+        else:  # the vocabulary's parts as devices holding them alone compute them
+            logits = torch.cat([F.linear(x, rows) for rows in head.chunk(self.parts)], dim=-1)
         if self.vocab_share["embed_tokens.weight"] is not None:  # this device's share of the vocabulary
             logits = gather_across(logits, self.tp_group)
         logits = logits.float()

@@ -40,7 +40,7 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds activation memo
 PERSISTENT_REDUCTION_WIDTH = 8192  # rows up to this wide are reduced in one pass from registers
 
 
-def _configure_compile() -> None:
+def _configure_compile(model: GemmaModel | None = None) -> None:
     # Every model, width and batch in a process is one more compilation of a function. Past dynamo's limit
     # (8) it would silently run eager, and eager rounds differently from compiled: a plain and a
     # speculative decode could then disagree. Allow many, and fail loudly past them.
@@ -51,6 +51,10 @@ def _configure_compile() -> None:
     # A user's own heuristics stay; a torch without the setting (pyproject admits 2.4 on) keeps its own limit.
     if getattr(config, "inductor_choices_class", "absent") is None:
         config.inductor_choices_class = wide_persistent_reductions
+    if model is not None and model.tp_parts is not None and hasattr(config, "deterministic"):
+        # Parts promise the same bits on every device count, so each device count's process must choose the same
+        # kernels: no reduction configuration chosen by timing (a reduction's order depends on it).
+        config.deterministic = True
 
 
 def wide_persistent_reductions():
@@ -82,7 +86,7 @@ def compiled_forward(model: GemmaModel):
     """The model's forward under torch.compile, compiled once per model and shared by its engines. Static
     shapes first (an invariant engine runs one width); torch recompiles dynamic in T if widths vary."""
     if getattr(model, "_compiled_forward", None) is None:
-        _configure_compile()
+        _configure_compile(model)
         model._compiled_forward = torch.compile(model.forward, fullgraph=True)
     return model._compiled_forward
 
@@ -94,7 +98,7 @@ def compiled_prefill(model: GemmaModel):
     decode forward never runs this dynamic-shape program. Only the tensors' length is marked dynamic
     (`dynamic=True` would make integer arguments such as the hidden layers' indices symbolic too)."""
     if getattr(model, "_compiled_prefill", None) is None:
-        _configure_compile()
+        _configure_compile(model)
         forward = torch.compile(model.forward, fullgraph=True)
 
         def prefill(tokens, positions, cache, **kwargs):
