@@ -164,7 +164,7 @@ def logits_digest(engine, prompt: list[int]) -> str:
 
     import numpy as np
 
-    pending = int(np.asarray(engine.prefill([prompt]))[0])
+    pending = int(engine.prefill([prompt])[0])
     tokens = [[pending] + [(pending + 1 + i) % engine.vocab_size for i in range(K_MAX)]]
     if hasattr(engine, "device"):  # torch
         import torch
