@@ -51,10 +51,14 @@ def _configure_compile(model: GemmaModel | None = None) -> None:
     # A user's own heuristics stay; a torch without the setting (pyproject admits 2.4 on) keeps its own limit.
     if getattr(config, "inductor_choices_class", "absent") is None:
         config.inductor_choices_class = wide_persistent_reductions
-    if model is not None and model.tp_parts is not None and hasattr(config, "deterministic"):
-        # Parts promise the same bits on every device count, so each device count's process must choose the same
-        # kernels: no reduction configuration chosen by timing (a reduction's order depends on it).
-        config.deterministic = True
+    if model is not None and model.tp_parts is not None:
+        # Parts promise the same bits on every device count, whose programs inductor fuses differently (a
+        # collective ends a fused kernel). Fused, inductor drops the rounding of a bf16 result that the next
+        # operation reads, so the bits would depend on where kernels end: keep every rounding, as eager does.
+        # On an H100, 1 and 2 ranks of a 31B cut differed in the bits without this and agreed with it.
+        config.emulate_precision_casts = True
+        if hasattr(config, "deterministic"):  # nor reduction configurations chosen by timing (they set the order)
+            config.deterministic = True
 
 
 def wide_persistent_reductions():
