@@ -38,3 +38,18 @@ def test_toy_31b_on_one_and_two_devices_both_engines(tmp_path):
 def test_bad_flag_is_refused():
     done = roofline("--tensor-parallel")
     assert done.returncode == 2 and "expected one argument" in done.stderr
+
+
+def test_torch_rows_in_parts_compare_bits_across_device_counts(tmp_path):
+    """--tp-parts runs the torch rows in parts and --layers cuts the model; each row keeps a digest of its logits,
+    and the table says whether two devices computed one device's bits."""
+    out = tmp_path / "roofline.json"
+    done = roofline("--tiny", "--models", "31b", "--engines", "torch", "--tensor-parallel", "1,2", "--tp-parts", "2",
+                    "--layers", "3", "--steps", "2", "--tokens", "4", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tensor_parallel"], r["tp_parts"]) for r in rows] == [(1, 2), (2, 2)]
+    assert rows[0]["logits_digest"] == rows[1]["logits_digest"]
+    assert "3 layers" in done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("31b ") and line.split()[2] == "2")
+    assert line.split()[3] == "2" and line.split()[-3:-1] == ["yes", "yes"]  # parts; tokens and bits as one device's

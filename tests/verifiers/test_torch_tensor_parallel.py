@@ -5,6 +5,7 @@ tokens), and configurations that do not split are refused in one line."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -213,3 +214,89 @@ def test_cli_tensor_parallel_without_torchrun_is_one_line(ckpt, tmp_path):
     result = generate(ckpt, tmp_path, "--tensor-parallel", "2")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].endswith("launch with torchrun --nproc-per-node N")
+
+
+PARTS_WORKER = textwrap.dedent("""
+    import hashlib, json, os, sys
+    import torch, torch.distributed as dist
+    rank, world, port, ckpt, parts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    from specdec.models.torch_gemma import GemmaModel
+    from specdec.verifiers.torch_engine import TorchEngine
+
+    prompt = [2] + list(range(5, 21)) * 3
+    model = GemmaModel.from_checkpoint(ckpt, dtype=torch.bfloat16, max_seq_len=256, tp_parts=None if parts == "none" else int(parts),
+                                       tp_group=dist.group.WORLD if world > 1 else None)
+    engine = TorchEngine(model, max_seq_len=256, k_max=4)
+    with torch.inference_mode():
+        plain = engine.greedy_decode(prompt, 24)
+        pending = engine.prefill([prompt])
+        logits = engine.verify(torch.tensor([[int(pending[0]), 7, 8, 9, 10]])).logits.float()
+    if rank == 0:
+        print(json.dumps({"plain": plain, "logits": hashlib.sha256(logits.numpy().tobytes()).hexdigest()}))
+    if world > 1:
+        dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+""")
+
+
+def decode_bf16(ckpt, world: int, parts: str) -> dict:
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", PARTS_WORKER, str(rank), str(world), port, str(ckpt), parts],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def test_parts_make_two_devices_compute_one_devices_bits_in_bf16(random_checkpoints, k_eq_v_checkpoint):
+    """bf16: split in two, a model's sums round differently, and two devices decode other tokens than one. In two
+    parts (--tp-parts 2) one device computes what each of two devices computes, and both get the same logits to
+    the bit: dense with k_eq_v globals, and E-style (per-layer inputs, KV-shared layers)."""
+    one, two = decode_bf16(k_eq_v_checkpoint, 1, "none"), decode_bf16(k_eq_v_checkpoint, 2, "none")
+    assert one["logits"] != two["logits"] and one["plain"] != two["plain"]  # what parts exist for
+    for ckpt in (k_eq_v_checkpoint, random_checkpoints["gemma4_e"]):
+        one, two = decode_bf16(ckpt, 1, "2"), decode_bf16(ckpt, 2, "2")
+        assert len(set(one["plain"])) > 10
+        assert two == one
+
+
+def test_parts_that_cannot_be_computed_so_are_refused(random_checkpoints, moe_checkpoint):
+    from specdec.models.torch_gemma import check_tp_parts
+
+    dense = GemmaConfig.from_file(random_checkpoints["gemma4_dense"] / "config.json")
+    with pytest.raises(SpecdecError, match=r"^tensor-parallel parts must be a positive multiple of the 2 device\(s\), got 3$"):
+        check_tp_parts(dense, 3, 2)
+    with pytest.raises(SpecdecError, match=r"^a tensor-parallel mesh of 2 devices does not divide 1 KV heads of layer 2"):
+        check_tp_parts(dense, 2, 1)
+    with pytest.raises(SpecdecError, match="^tensor-parallel parts do not cover MoE experts"):
+        check_tp_parts(GemmaConfig.from_file(moe_checkpoint / "config.json"), 2, 1)
+
+
+def test_cli_parts_under_torchrun_print_what_one_process_prints(k_eq_v_checkpoint, tmp_path):
+    """bf16 on the CPU, the Gemma 4 dense model (k_eq_v globals) given the real tokenizer's vocabulary."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from specdec.models.gguf_import import default_checkpoint
+
+    ckpt = shutil.copytree(k_eq_v_checkpoint, tmp_path / "dense")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["vocab_size"] = 262144
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.embed_tokens.weight"] = 0.1 * torch.randn(262144, cfg["hidden_size"])
+    save_file(tensors, ckpt / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_checkpoint() / name, ckpt / name)
+    one = generate(ckpt, tmp_path, "--tp-parts", "2", "--dtype", "bfloat16")
+    torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()))
+    two = generate(ckpt, tmp_path, "--tensor-parallel", "2", "--tp-parts", "2", "--dtype", "bfloat16", launcher=torchrun)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and one.stdout.startswith("def add(a, b):")
+    jax = generate(ckpt, tmp_path, "--tp-parts", "2", "--engine", "jax")
+    assert jax.returncode != 0 and jax.stderr.strip().splitlines()[-1].endswith(
+        "tensor-parallel parts (--tp-parts) are a torch engine option")
