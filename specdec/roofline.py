@@ -304,7 +304,8 @@ def child(engine: str, name: str, tp: int, args) -> dict | None:
     result = (measure_torch if engine == "torch" else measure_jax)(cfg, checkpoint, prompt, args, tp)
     if result is None:
         return None
-    return dict(result, engine=engine, model=name, tensor_parallel=tp, bytes_per_step=step_bytes(cfg, result["itemsize"]))
+    return dict(result, engine=engine, model=name, tensor_parallel=tp, bytes_per_step=step_bytes(cfg, result["itemsize"]),
+                **({"layers": cfg.num_layers} if args.layers else {}))
 
 
 def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dict]:
@@ -421,7 +422,8 @@ def plot(record: dict, path: Path) -> None:
 
     def group(r: dict) -> str:
         tp, parts = r.get("tensor_parallel", 1), r.get("tp_parts")
-        return (r["model"] if tp == 1 else f"{r['model']} on {tp}") + (f", {parts} parts" if parts else "")
+        name = r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
+        return (name if tp == 1 else f"{name} on {tp}") + (f", {parts} parts" if parts else "")
 
     def series(r: dict) -> str:  # runs of several commits merged: one bar per engine and commit
         return f"{r['engine']} {r['commit']}" if merged else r["engine"]

@@ -50,6 +50,7 @@ def test_torch_rows_in_parts_compare_bits_across_device_counts(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tensor_parallel"], r["tp_parts"]) for r in rows] == [(1, 2), (2, 2)]
     assert rows[0]["logits_digest"] == rows[1]["logits_digest"]
+    assert rows[0]["layers"] == rows[1]["layers"] == 3
     assert "3 layers" in done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("31b ") and line.split()[2] == "2")
     assert line.split()[3] == "2" and line.split()[-3:-1] == ["yes", "yes"]  # parts; tokens and bits as one device's
