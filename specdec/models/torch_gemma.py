@@ -537,9 +537,11 @@ def check_tp_parts(cfg: GemmaConfig, parts: int, devices: int) -> None:
     differently by the GEMM library, so 2 devices do not emit the greedy tokens 1 device emits. With
     `parts` P, every split weight (heads, MLP columns, the LM head's vocabulary) is computed as P GEMMs of a
     P-way split's shapes on any device count N that divides P, each device running P / N of them, and the
-    row-parallel partial outputs are added in one fixed order (sum_parts). Every N then runs the same kernels
-    on the same operands, and decodes the same tokens. It costs more launches (P / N GEMMs where there was one)
-    and a gather of the partial outputs in place of an all-reduce. One line for what cannot be split so."""
+    row-parallel partial outputs are added in one fixed order (sum_parts). Compiled, the engine keeps every bf16
+    rounding that inductor would drop inside a fused kernel (torch_engine._configure_compile), since kernels end
+    at other places on 1 and N devices. Every N then runs the same kernels on the same operands, and decodes the
+    same tokens. It costs more launches (P / N GEMMs where there was one) and a gather of the partial outputs in
+    place of an all-reduce. One line for what cannot be split so."""
     from specdec.errors import SpecdecError
 
     if parts < 1 or parts % devices:
@@ -587,8 +589,8 @@ class GemmaModel(nn.Module):
         token tables it splits by vocabulary (config.tp_split_axis) are looked up across it, the LM head's
         logits gathered from it.
 
-        `tp_parts` (module docstring of check_tp_parts): every split weight is computed in that many parts on
-        any number of devices that divides it, so that they all compute the same bits."""
+        `tp_parts`: every split weight is computed in that many parts on any number of devices that divides it, so
+        that they all compute the same bits (check_tp_parts says how)."""
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group
