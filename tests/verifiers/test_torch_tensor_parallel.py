@@ -300,3 +300,36 @@ def test_cli_parts_under_torchrun_print_what_one_process_prints(k_eq_v_checkpoin
     jax = generate(ckpt, tmp_path, "--tp-parts", "2", "--engine", "jax")
     assert jax.returncode != 0 and jax.stderr.strip().splitlines()[-1].endswith(
         "tensor-parallel parts (--tp-parts) are a torch engine option")
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.gpu
+def test_parts_on_one_gpu_two_ranks_compute_one_ranks_bits(tmp_path):
+    """bf16, compiled: 2 ranks sharing one GPU (scripts/tp_parts_one_gpu.py) compute the logits of 1 rank to the
+    bit, on the 31B shape cut to its first sliding and global layers."""
+    out = tmp_path / "bits.json"
+    done = subprocess.run([sys.executable, "scripts/tp_parts_one_gpu.py", "--layers", "6", "--parts", "2", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = json.loads(out.read_text())["rows"]
+    assert (one["devices"], two["devices"]) == (1, 2)
+    assert two["logits_digest"] == one["logits_digest"] and two["tokens"] == one["tokens"]
+
+
+@pytest.mark.gpu
+def test_parts_on_two_gpus_compute_one_gpus_bits(tmp_path):
+    """The same over NCCL on two GPUs, as `specdec roofline` runs tensor parallelism (needs 2 GPUs)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "roofline.json"
+    done = subprocess.run([sys.executable, "-m", "specdec", "roofline", "--models", "31b", "--engines", "torch",
+                           "--layers", "6", "--tensor-parallel", "1,2", "--tp-parts", "2", "--steps", "8", "--tokens",
+                           "16", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = json.loads(out.read_text())["rows"]
+    assert (one["tensor_parallel"], two["tensor_parallel"]) == (1, 2)
+    assert two["logits_digest"] == one["logits_digest"] and two["tokens"] == one["tokens"]
