@@ -51,6 +51,11 @@ def _configure_compile(model: GemmaModel | None = None) -> None:
     # A user's own heuristics stay; a torch without the setting (pyproject admits 2.4 on) keeps its own limit.
     if getattr(config, "inductor_choices_class", "absent") is None:
         config.inductor_choices_class = wide_persistent_reductions
+        # Inductor makes a thread's handler from the setting once, at the thread's first compilation: after an
+        # earlier one, the setting alone would change the compile cache's key and not the kernels.
+        from torch._inductor.virtualized import V
+
+        V.set_choices_handler(wide_persistent_reductions())
     if model is not None and model.tp_parts is not None:
         # Parts promise the same bits on every device count, whose programs inductor fuses differently (a
         # collective ends a fused kernel). Fused, inductor drops the rounding of a bf16 result that the next

@@ -2,6 +2,10 @@
 
 import functools
 import hashlib
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -149,3 +153,20 @@ def test_warm_up_prefill_compiles_every_chunk_length_a_prompt_can_need(random_ch
     for length in (1, 2, 3, 5, 16, 17, 31, 32, 33, 40, 119):
         engine.prefill_row(length % 2, list(range(5, 6 + length)))
     assert counters["stats"]["unique_graphs"] == compiled
+
+
+def test_wide_persistent_reductions_hold_after_an_earlier_compilation():
+    """Inductor makes each thread's choices handler once: a process that compiled something before the engine's
+    first compilation kept inductor's own heuristics while the compile cache's key said ours (a GPU test of the
+    norms' persistent reduction failed after another test's compilation). In a fresh process."""
+    code = textwrap.dedent("""
+        import torch
+        from torch._inductor.virtualized import V
+        from specdec.verifiers.torch_engine import compiled
+        torch.compile(lambda x: torch.softmax(x, -1))(torch.ones(4, 8))  # makes this thread's handler
+        compiled(torch.abs)(torch.ones(4))
+        assert type(V.choices).__name__ == "WidePersistentReductions", type(V.choices)
+    """)
+    env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")  # a cache hit would lower nothing
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
