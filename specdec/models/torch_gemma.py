@@ -175,12 +175,6 @@ def sum_parts(partials: list[torch.Tensor], group) -> torch.Tensor:
     return total.to(stacked.dtype)
 
 
-def row_part(weight: torch.Tensor, part: int, parts: int) -> torch.Tensor:
-    """Part `part` of a row-parallel weight: its slice of the input columns, [out, in / parts]. Packed (Packed.pack)
-    it is a contiguous [parts, out, in / parts] matrix, laid out as a device holding that part alone holds it."""
-    return weight[part] if weight.dim() == 3 else weight.chunk(parts, dim=-1)[part]
-
-
 def lookup(table: torch.Tensor, tokens: torch.Tensor, first_row: int | None, group) -> torch.Tensor:
     """The rows of a token table for `tokens` [...] -> [..., D]. A table split by vocabulary over a
     tensor-parallel group holds rows first_row.. of the whole: each device gives zeros for the tokens it does
@@ -234,12 +228,9 @@ class Packed(nn.Module):
         linears = self.linears()
         if self.parts is None:
             weight = self.packed if self.packed is not None else torch.cat([lin.weight for lin in linears])
-            rows = [lin.weight.shape[0] for lin in linears]
-        else:
-            weight = (self.packed[part] if self.packed is not None
-                      else torch.cat([lin.weight.chunk(self.parts)[part] for lin in linears]))
-            rows = [lin.weight.shape[-2] // (1 if self.packed is not None else self.parts) for lin in linears]
-        return list(linear(x, weight).split(rows, dim=-1))
+        else:  # packed as GemmaModel's constructors leave it: each linear's weight [parts, rows of a part, in]
+            weight = self.packed[part]
+        return list(linear(x, weight).split([lin.weight.shape[-2] for lin in linears], dim=-1))
 
     def combine(self, outputs, group) -> torch.Tensor:
         """The row-parallel linear's output: over `outputs` (one input per part, in `parts`; else the one input),
@@ -247,7 +238,7 @@ class Packed(nn.Module):
         weight = getattr(self, self.row_parallel).weight
         if self.parts is None:
             return sum_across(linear(outputs, weight), group)
-        return sum_parts([linear(x, row_part(weight, part, self.parts)) for part, x in enumerate(outputs)], group)
+        return sum_parts([linear(x, weight[part]) for part, x in enumerate(outputs)], group)  # packed: [parts, out, in]
 
 
 class MLP(Packed):
