@@ -38,6 +38,8 @@ def test_toy_31b_on_one_and_two_devices_both_engines(tmp_path):
 def test_bad_flag_is_refused():
     done = roofline("--tensor-parallel")
     assert done.returncode == 2 and "expected one argument" in done.stderr
+    done = roofline("--tiny", "--models", "e4b", "--layers", "3")
+    assert done.returncode == 2 and "--layers does not cut e4b" in done.stderr
 
 
 def test_torch_rows_in_parts_compare_bits_across_device_counts(tmp_path):
