@@ -1,7 +1,8 @@
 """Tensor parallelism in the torch engine: two processes over torch.distributed (gloo on the CPU; NCCL on
 GPUs), each holding its slices of the split weights (token tables by vocabulary), decode exactly what one
 process decodes, plain and speculative (an EAGLE-3 head and a Gemma 4 MTP assistant drafting the same
-tokens), and configurations that do not split are refused in one line."""
+tokens), and configurations that do not split are refused in one line. In bf16 that holds in parts
+(--tp-parts), to the bit, and not without them."""
 
 import json
 import os
