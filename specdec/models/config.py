@@ -70,8 +70,9 @@ def tp_split_axis(cfg: "GemmaConfig", name: str, tp: int) -> int | None:
     return None
 
 
-def check_tensor_parallel(cfg: "GemmaConfig", tp: int) -> None:
-    """Every split dimension must divide evenly over `tp` devices: one line naming what does not."""
+def check_tensor_parallel(cfg: "GemmaConfig", tp: int, splitter: str | None = None) -> None:
+    """Every split dimension must divide evenly over `tp` devices (or `splitter`'s tp parts): one line naming what
+    does not."""
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"{cfg.num_heads} attention heads")
@@ -82,7 +83,8 @@ def check_tensor_parallel(cfg: "GemmaConfig", tp: int) -> None:
             problems.append(f"MLP width {spec.intermediate_size} of layer {spec.index}")
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise SpecdecError(f"a tensor-parallel mesh of {tp} devices does not divide {problems[0]}{more}")
+        splitter = splitter or f"a tensor-parallel mesh of {tp} devices does"
+        raise SpecdecError(f"{splitter} not divide {problems[0]}{more}")
 
 
 @dataclass(frozen=True)

@@ -540,8 +540,8 @@ def check_tp_parts(cfg: GemmaConfig, parts: int, devices: int) -> None:
     if cfg.enable_moe_block:
         raise SpecdecError("tensor-parallel parts do not cover MoE experts (their outputs are summed per device)")
     if cfg.vocab_size % parts:
-        raise SpecdecError(f"tensor-parallel parts: {parts} parts do not divide the vocabulary of {cfg.vocab_size}")
-    check_tensor_parallel(cfg, parts)
+        raise SpecdecError(f"{parts} tensor-parallel parts do not divide the vocabulary of {cfg.vocab_size}")
+    check_tensor_parallel(cfg, parts, f"{parts} tensor-parallel parts do")
 
 
 def group_shard(tp_group) -> tuple[int, int] | None:

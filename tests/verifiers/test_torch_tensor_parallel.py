@@ -271,7 +271,7 @@ def test_parts_that_cannot_be_computed_so_are_refused(random_checkpoints, moe_ch
     dense = GemmaConfig.from_file(random_checkpoints["gemma4_dense"] / "config.json")
     with pytest.raises(SpecdecError, match=r"^tensor-parallel parts must be a positive multiple of the 2 device\(s\), got 3$"):
         check_tp_parts(dense, 3, 2)
-    with pytest.raises(SpecdecError, match=r"^a tensor-parallel mesh of 2 devices does not divide 1 KV heads of layer 2"):
+    with pytest.raises(SpecdecError, match=r"^2 tensor-parallel parts do not divide 1 KV heads of layer 2"):
         check_tp_parts(dense, 2, 1)
     with pytest.raises(SpecdecError, match="^tensor-parallel parts do not cover MoE experts"):
         check_tp_parts(GemmaConfig.from_file(moe_checkpoint / "config.json"), 2, 1)
