@@ -166,13 +166,12 @@ def sum_parts(partials: list[torch.Tensor], group) -> torch.Tensor:
     outputs: every device's parts gathered in rank order, added one by one in float32 and rounded once. One
     device holding every part and two devices holding half of them each add the same partials in the same
     order, so they agree to the bit (an all-reduce's order is the library's)."""
-    stacked = torch.stack(partials)
     if group is not None:
-        stacked = _gather_first(stacked, group)  # [all parts, ...]
-    total = stacked[0].float()
-    for part in stacked.unbind(0)[1:]:
+        partials = _gather_first(torch.stack(partials), group).unbind(0)  # every part, in rank order
+    total = partials[0].float()
+    for part in partials[1:]:
         total = total + part.float()
-    return total.to(stacked.dtype)
+    return total.to(partials[0].dtype)
 
 
 def lookup(table: torch.Tensor, tokens: torch.Tensor, first_row: int | None, group) -> torch.Tensor:
