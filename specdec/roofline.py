@@ -325,21 +325,23 @@ def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dic
     return command, env
 
 
-def run_all(args) -> dict:
+def run_all(args) -> tuple[dict, list[str]]:
     """Every (engine, model, device count) in a child process; the record is rewritten after each (a run cut
-    short keeps what it measured)."""
+    short keeps what it measured). -> (the record, the measurements that failed)."""
     rows: list[dict] = []
+    failed: list[str] = []
     for name in args.models.split(","):
         for engine in args.engines.split(","):
             for tp in map(int, args.tensor_parallel.split(",")):
                 command, env = child_command(engine, name, tp, args)
                 done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
                 if done.returncode != 0:
-                    log(f"{engine} {name} on {tp} device(s): failed (exit {done.returncode})")
+                    failed.append(f"{engine} {name} on {tp} device(s)")
+                    log(f"{failed[-1]}: failed (exit {done.returncode})")
                     continue
                 rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
                 args.out.write_text(json.dumps(summarise(rows, args.steps), indent=1))
-    return summarise(rows, args.steps)
+    return summarise(rows, args.steps), failed
 
 
 def summarise(rows: list[dict], steps: int) -> dict:
@@ -481,7 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replot", type=Path, nargs="+", help="print and draw results files (merged) and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.layers and "e4b" in args.models.split(","):
+    models = [args.child.split(":")[1]] if args.child else args.models.split(",")  # a child runs its own
+    if args.layers and "e4b" in models:
         parser.error("--layers does not cut e4b, whose last layers share the caches of earlier ones")
     if args.child:
         engine, name, tp = args.child.split(":")
@@ -489,10 +492,12 @@ def main(argv: list[str] | None = None) -> None:
         if result is not None:
             print(json.dumps(result))
         return
-    record = merge(args.replot) if args.replot else run_all(args)
+    record, failed = (merge(args.replot), []) if args.replot else run_all(args)
     print(table(record))
-    if args.plot:
+    if args.plot and record["rows"]:
         plot(record, args.plot)
+    if failed:
+        sys.exit(f"specdec roofline: {len(failed)} measurement(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,14 @@ def test_bad_flag_is_refused():
     assert done.returncode == 2 and "--layers does not cut e4b" in done.stderr
 
 
+
+def test_a_failed_measurement_fails_the_run():
+    """Three devices do not divide the toy 31B's 2 KV heads: its measurement fails, and so does the run."""
+    done = roofline("--tiny", "--models", "31b", "--engines", "torch", "--tensor-parallel", "3", "--steps", "2")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == "specdec roofline: 1 measurement(s) failed: torch 31b on 3 device(s)"
+
+
 def test_torch_rows_in_parts_compare_bits_across_device_counts(tmp_path):
     """--tp-parts runs the torch rows in parts and --layers cuts the model; each row keeps a digest of its logits,
     and the table says whether two devices computed one device's bits."""
