@@ -101,8 +101,6 @@ def test_a_cancelled_row_stops_advancing_and_its_row_serves_the_next_request(eng
     assert steps.run(request(PROMPT[:6], 12)) == solo
 
 
-
-
 def test_a_request_that_fills_the_context_leaves_its_row_safe_for_the_rows_beside_it(engine):
     """Its last cycle may accept past its budget; the row must not advance past the context, or the cycles the
     other rows go on with would run its position past the cache and the RoPE tables."""

@@ -71,8 +71,8 @@ def tp_split_axis(cfg: "GemmaConfig", name: str, tp: int) -> int | None:
 
 
 def check_tensor_parallel(cfg: "GemmaConfig", tp: int, splitter: str | None = None) -> None:
-    """Every split dimension must divide evenly over `tp` devices (or `splitter`'s tp parts): one line naming what
-    does not."""
+    """Every split dimension must divide evenly over `tp` devices: one line naming what does not, after `splitter`
+    (default: the mesh of `tp` devices; torch_gemma's parts name themselves)."""
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"{cfg.num_heads} attention heads")
@@ -83,8 +83,8 @@ def check_tensor_parallel(cfg: "GemmaConfig", tp: int, splitter: str | None = No
             problems.append(f"MLP width {spec.intermediate_size} of layer {spec.index}")
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        splitter = splitter or f"a tensor-parallel mesh of {tp} devices does"
-        raise SpecdecError(f"{splitter} not divide {problems[0]}{more}")
+        splitter = splitter or f"a tensor-parallel mesh of {tp} devices does not divide"
+        raise SpecdecError(f"{splitter} {problems[0]}{more}")
 
 
 @dataclass(frozen=True)

@@ -540,7 +540,7 @@ def check_tp_parts(cfg: GemmaConfig, parts: int, devices: int) -> None:
         raise SpecdecError("tensor-parallel parts do not cover MoE experts (their outputs are summed per device)")
     if cfg.vocab_size % parts:
         raise SpecdecError(f"{parts} tensor-parallel parts do not divide the vocabulary of {cfg.vocab_size}")
-    check_tensor_parallel(cfg, parts, f"{parts} tensor-parallel parts do")
+    check_tensor_parallel(cfg, parts, f"{parts} tensor-parallel parts do not divide")
 
 
 def group_shard(tp_group) -> tuple[int, int] | None:

@@ -94,14 +94,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def decode(ckpt, world: int, assistant=None) -> dict:
+def run_ranks(worker: str, world: int, *args) -> dict:
+    """`worker` as `world` gloo ranks (argv: rank, world, port, *args); the JSON the first one prints last."""
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(world), port, str(ckpt), str(assistant or "none")],
+    procs = [subprocess.Popen([sys.executable, "-c", worker, str(rank), str(world), port, *map(str, args)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def decode(ckpt, world: int, assistant=None) -> dict:
+    return run_ranks(WORKER, world, ckpt, assistant or "none")
 
 
 @pytest.fixture(scope="module")
@@ -244,13 +249,7 @@ PARTS_WORKER = textwrap.dedent("""
 
 
 def decode_bf16(ckpt, world: int, parts: str) -> dict:
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", PARTS_WORKER, str(rank), str(world), port, str(ckpt), parts],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+    return run_ranks(PARTS_WORKER, world, ckpt, parts)
 
 
 def test_parts_make_two_devices_compute_one_devices_bits_in_bf16(random_checkpoints, k_eq_v_checkpoint):
