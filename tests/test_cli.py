@@ -55,6 +55,16 @@ def test_shape_mismatch(ckpt):
     one_line_error(code, err, "model.layers.0.self_attn.q_proj.weight", "model.safetensors")
 
 
+def test_weights_of_more_layers_than_the_config(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["num_hidden_layers"] -= 1
+    cfg.pop("layer_types", None)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    last = cfg["num_hidden_layers"]
+    code, _, err = run("generate", "Hello", "--target", str(ckpt))
+    one_line_error(code, err, "unexpected tensor", f"model.layers.{last}.")
+
+
 def test_missing_tokenizer(ckpt):
     (ckpt / "tokenizer.json").unlink()
     code, _, err = run("generate", "Hello", "--target", str(ckpt))

@@ -220,7 +220,8 @@ def _unused_by_design(cfg: GemmaConfig, name: str) -> bool:
     if not name.startswith("layers."):
         return False
     idx, rest = name[len("layers."):].split(".", 1)
-    return not cfg.layers[int(idx)].owns_cache and rest in _SHARED_LAYER_UNUSED
+    # A layer past the config's count is unexpected (weights of a deeper model), not unused.
+    return int(idx) < cfg.num_layers and not cfg.layers[int(idx)].owns_cache and rest in _SHARED_LAYER_UNUSED
 
 
 def _cast(t, dtype, framework):
