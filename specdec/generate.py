@@ -306,6 +306,9 @@ class HostCycle:
             self.drafter.observe([result.emitted(b) if live[b] else [] for b in range(self.batch)], out.hidden)
         return result
 
+    def drain(self) -> None:
+        """Nothing runs ahead of step here (a host drafter needs each cycle's tokens before the next)."""
+
 
 def check_context(verifier: Verifier, prompts: list[list[int]], max_new_tokens: int) -> None:
     """Every row's prompt and new tokens fit the verifier's context, with room for the rows a decode
@@ -346,8 +349,9 @@ def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
             stats.record(int(result.draft_len[b]), int(result.num_accepted[b]), len(new), len(kept), first_index, timed)
             if on_tokens is not None:
                 on_tokens(b, kept)
-    stats.decode_s = time.perf_counter() - start  # the last step read its results: nothing is in flight
+    stats.decode_s = time.perf_counter() - start  # the last step read its results; a prefetched cycle is not timed
     stats.timed_device_cycles = cycle.device_cycles - device_cycles
+    cycle.drain()
     return Generation(rows, stats)
 
 

@@ -122,7 +122,9 @@ def seconds_per_step(cycle, prompt: list[int], steps: int, warm_up: int) -> floa
     start = time.perf_counter()
     for _ in range(steps):
         cycle.step()
-    return (time.perf_counter() - start) / steps
+    seconds = (time.perf_counter() - start) / steps
+    cycle.drain()
+    return seconds
 
 
 def greedy_tokens(cycle, prompt: list[int], count: int) -> list[int]:

@@ -149,7 +149,8 @@ class Scheduler:
 
         spec = self.speculative
         draft_fn = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max).device_draft_fn("torch", self.k)
-        cycle = FusedCycle(self.engine, draft_fn if self.k else None, self.k)
+        # No prefetch: rows are admitted and retired between cycles.
+        cycle = FusedCycle(self.engine, draft_fn if self.k else None, self.k, prefetch=False)
         for b in range(self.engine.batch):
             cycle.retire(b)
         return cycle

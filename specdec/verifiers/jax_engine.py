@@ -621,10 +621,14 @@ class JaxFusedCycle:
     specdec.protocol.DeviceDrafter); with k = 0 nothing is drafted (draft_fn may be None) and each cycle is
     one plain decode step. Sampled decoding draws from a PRNG key seeded from `sampling.seed` (0 if None) at
     each `start`. The compiled program is the engine's, shared by every cycle of equal drafter settings,
-    sampling filters and cycles per call."""
+    sampling filters and cycles per call.
+
+    `prefetch` (torch's FusedCycle has the same): `step` dispatches the next call before it reads this one's
+    results, so the device runs cycles while the host streams the last call's tokens. The call dispatched
+    after the last one read is wasted; `drain` waits for it."""
 
     def __init__(self, engine: JaxEngine, draft_fn: DraftFn | None, k: int, sampling: SamplingParams = SamplingParams(),
-                 cycles_per_call: int = CYCLES_PER_CALL):
+                 cycles_per_call: int = CYCLES_PER_CALL, prefetch: bool = True):
         if not 0 <= k <= engine.k_max:
             raise SpecdecError(f"k={k} is outside 0..{engine.k_max} (the engine's compiled maximum)")
         if k > 0 and draft_fn is None:
@@ -640,7 +644,9 @@ class JaxFusedCycle:
         self._prefills_in_cycle = not _stateful(self.draft_fn) and engine._bucket(k + 1) == engine.buckets[-1]
         self.decode_cycles_in_start = 0  # decode cycles the last start ran with its prefill, handed out first by step
         self._compiling: list[Future] = []  # compile_ahead's compilations under way
-        self.device_cycles = 0  # cycles run on the device, cycles_per_call per call (prefill's included)
+        self.device_cycles = 0  # cycles of the calls whose results were read, cycles_per_call each (prefill's too)
+        self.prefetch = prefetch
+        self._in_flight = None  # the results, on the device, of a call dispatched ahead and not read
         self.state: DecodeState | None = None
         self._stop: tuple[jax.Array, jax.Array] | None = None
         self._ready: list[CycleResult] = []  # cycles run on the device, not yet handed out
@@ -688,29 +694,42 @@ class JaxFusedCycle:
         self.wait_compiled()
         self._stop = _stop_arrays(stop.max_new_tokens, stop.eos_ids)
         self._ready = []
+        self._in_flight = None  # an earlier run's: its state is replaced below
         if not self._prefills_in_cycle:
             self.state = self.verifier._start_decode(prompts, self.sampling, draft_fn=self.draft_fn)
             self.decode_cycles_in_start = 0
             return
         self.state = self.verifier._prefill_state(prompts, self.sampling)
         for _ in range(-(-self.verifier.prefill_cycles(prompts) // self._cycles_per_call)):
-            self._dispatch()
+            self._read(self._dispatch())  # nothing ahead: run_cycles times start as the prefill
         self.decode_cycles_in_start = len(self._ready)
 
     def step(self) -> CycleResult:
         while not self._ready:
-            self._dispatch()
+            results = self._in_flight or self._dispatch()
+            self._in_flight = self._dispatch() if self.prefetch else None
+            self._read(results)
         return self._ready.pop()
 
-    def _dispatch(self) -> None:
-        """One call of `cycles_per_call` cycles; their decode cycles' results join the queue (a prefill
-        cycle has none to hand out)."""
+    def drain(self) -> None:
+        """Wait for the call in flight, whose results no one will read, so that it is not timed with what runs
+        next."""
+        if self._in_flight is not None:
+            jax.block_until_ready(self._in_flight)
+        self._in_flight = None
+
+    def _dispatch(self):
+        """Dispatch one call of `cycles_per_call` cycles (it returns at once) -> its results, on the device."""
         engine = self.verifier
         engine.cache = None  # donated to the call
         engine.dispatches += 1
-        self.device_cycles += self._cycles_per_call
         self.state, results = self._steps(engine.params, self.state, *self._stop, _draft_params(self.draft_fn))
         engine.cache, engine.lengths = self.state.cache, self.state.length
+        return results
+
+    def _read(self, results) -> None:
+        """Wait for a call's results; its decode cycles' join the queue (a prefill cycle has none to hand out)."""
+        self.device_cycles += self._cycles_per_call
         results = jax.device_get(results)
         cycles = [CycleResult(*(np.asarray(a[i]) for a in results[:4])) for i in range(len(results.prefill))
                   if not results.prefill[i]]

@@ -332,9 +332,16 @@ class FusedCycle:
     argmax-matching prefix. Otherwise lossless rejection sampling against the drafter's probabilities (a
     point mass for a deterministic drafter), drawing from the cycle's own generator: `start` seeds it from
     `sampling.seed` (0 if None), so a seeded request draws the same numbers whatever ran before it, graphed
-    or eager."""
+    or eager.
 
-    def __init__(self, engine: TorchEngine, draft_fn, k: int, sampling: SamplingParams = SamplingParams()):
+    `prefetch` (default: where there are graphs to replay): `step` launches the next cycle before it reads this
+    one's results, so the device runs a cycle while the host streams the last one's tokens (nothing the host
+    decides feeds the next cycle: budgets are on the device, and a row's tokens past its end are dropped). The
+    cycle run after the last one read is wasted; `drain` waits for it. Rows are then admitted, loaded and
+    retired only without prefetch, since a cycle in flight would run over the change."""
+
+    def __init__(self, engine: TorchEngine, draft_fn, k: int, sampling: SamplingParams = SamplingParams(),
+                 prefetch: bool | None = None):
         if not 0 <= k <= engine.k_max:
             raise SpecdecError(f"k={k} is outside 0..{engine.k_max} (the engine's captured maximum)")
         if k > 0 and draft_fn is None:
@@ -351,15 +358,21 @@ class FusedCycle:
         self.context_len = torch.zeros(engine.batch, dtype=torch.long, device=engine.device)  # pending included
         self.limit = torch.zeros_like(self.context_len)  # a row advances while context_len < limit
         self.generator = None if sampling.greedy else torch.Generator(device=engine.device)
-        self._graph: tuple[torch.cuda.CUDAGraph, tuple] | None = None
-        self.device_cycles = 0  # cycles run, one per step
+        self._graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        self.prefetch = engine.use_graphs if prefetch is None else prefetch
+        self._in_flight: tuple | None = None  # (event, results) of a launched cycle that step has not read
+        self._launches = 0
+        self._host_results: list[torch.Tensor] = []  # pinned; two, so that a cycle in flight does not write the one read
+        self.device_cycles = 0  # cycles whose results step read, one per step
 
     decode_cycles_in_start = 0  # start prefills alone (run_cycles times it apart)
 
     def start(self, prompts: list[list[int]], stop=None) -> None:
         """Prefill the prompts and seed the sampler. Rows stop on the host, but a row that has emitted its token
         budget (`stop.max_new_tokens`) stops advancing on the device: it rides along until every row is done
-        without running past the context the budget was checked against."""
+        without running past the context the budget was checked against. A cycle still in flight from an earlier
+        run is dropped (the prefill, queued after it, overwrites what it advanced)."""
+        self._in_flight = None
         self.verifier.prefill(prompts)
         self.buffer.zero_()
         for b, prompt in enumerate(prompts):
@@ -378,6 +391,7 @@ class FusedCycle:
         the sampler's one generator would tie the row's draws to the rows beside it."""
         if self.drafter is not None or self.generator is not None:
             raise SpecdecError("rows are admitted one by one only into greedy cycles with a stateless drafter")
+        self._refuse_prefetch("admitted")
         self.verifier.prefill_row(row, prompt)
         self.load_row(row, prompt)
         self.limit[row] = len(prompt) + max_new_tokens  # it advances while its context is shorter
@@ -385,11 +399,13 @@ class FusedCycle:
     def load_row(self, row: int, context: list[int]) -> None:
         """Set one row's tokens (prompt + emitted, the last one pending), whose keys and values but the last are in
         the cache."""
+        self._refuse_prefetch("loaded")
         self.buffer[row, : len(context)] = torch.tensor(context, device=self.buffer.device)
         self.context_len[row] = len(context)
 
     def retire(self, row: int) -> None:
         """Stop one row advancing: it rides along, drafting from the one token it keeps, until it is admitted again."""
+        self._refuse_prefetch("retired")
         self.limit[row] = 0
         self.context_len[row].clamp_(min=1)  # the pending token is read at context_len - 1
 
@@ -427,7 +443,13 @@ class FusedCycle:
             self.drafter.observe(out.hidden, emitted, advance, engine.lengths)
         engine.lengths += advance
         self.context_len += advance
-        return num_accepted, next_token, draft, draft_len
+        # What the host reads of a cycle, packed into one tensor: one copy to the host.
+        return torch.cat([num_accepted[:, None], next_token[:, None], draft_len[:, None], draft], dim=1)
+
+    def _refuse_prefetch(self, what: str) -> None:
+        if self.prefetch:
+            raise SpecdecError(f"rows are {what} one by one only in a cycle without prefetch (a cycle in flight "
+                               "would run over the change)")
 
     def _capture(self) -> None:
         """Warm up and capture on a side stream, putting back the state each cycle advanced. Every one of
@@ -463,16 +485,39 @@ class FusedCycle:
         restore()
         self._graph = (graph, outputs)
 
-    def step(self) -> CycleResult:
-        self.device_cycles += 1
+    def _launch(self) -> tuple:
+        """Queue one cycle and the copy of its results to the host -> (event to wait for or None, results)."""
         if self.verifier.use_graphs:
             if self._graph is None:
                 self._capture()
-            graph, outputs = self._graph
+            graph, packed = self._graph
             graph.replay()
         else:
             with torch.inference_mode():
-                outputs = self._cycle()
-        num_accepted, next_token, draft, draft_len = outputs
-        host = torch.cat([num_accepted[:, None], next_token[:, None], draft_len[:, None], draft], dim=1).cpu().numpy()
-        return CycleResult(host[:, 0], host[:, 1], host[:, 3:], host[:, 2])
+                packed = self._cycle()
+        if packed.device.type != "cuda":
+            return None, packed.clone()
+        if not self._host_results:
+            self._host_results = [torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True) for _ in range(2)]
+        host = self._host_results[self._launches % 2]
+        self._launches += 1
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return event, host
+
+    def step(self) -> CycleResult:
+        event, host = self._in_flight or self._launch()
+        self._in_flight = self._launch() if self.prefetch else None
+        if event is not None:
+            event.synchronize()
+        self.device_cycles += 1
+        results = host.numpy().copy()
+        return CycleResult(results[:, 0], results[:, 1], results[:, 3:], results[:, 2])
+
+    def drain(self) -> None:
+        """Wait for the cycle in flight, whose results no one will read, so that it is not timed with what
+        runs next."""
+        if self._in_flight is not None and self._in_flight[0] is not None:
+            self._in_flight[0].synchronize()
+        self._in_flight = None

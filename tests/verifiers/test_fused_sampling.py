@@ -43,10 +43,10 @@ def engines(model, random_checkpoints):
     }
 
 
-def fused(engine, k: int, sampling: SamplingParams):
+def fused(engine, k: int, sampling: SamplingParams, **kwargs):
     """The engine's fused cycle with the device n-gram drafter (none at k = 0)."""
     framework, cycle_class = ("jax", JaxFusedCycle) if isinstance(engine, JaxEngine) else ("torch", FusedCycle)
-    return cycle_class(engine, NgramDrafter().device_draft_fn(framework, k) if k else None, k, sampling)
+    return cycle_class(engine, NgramDrafter().device_draft_fn(framework, k) if k else None, k, sampling, **kwargs)
 
 
 def decode(cycle, k: int, n: int = 24, prompts=PROMPTS):
@@ -123,7 +123,7 @@ def test_jax_cycles_per_call_change_nothing_but_dispatches(engines, sampling):
     engine = engines["jax"]
     runs, dispatches = {}, {}
     for cycles in (1, 8):
-        cycle = JaxFusedCycle(engine, None, 0, sampling, cycles_per_call=cycles)
+        cycle = JaxFusedCycle(engine, None, 0, sampling, cycles_per_call=cycles, prefetch=False)
         before = engine.dispatches
         runs[cycles] = decode(cycle, 0, 13).tokens
         dispatches[cycles] = engine.dispatches - before
@@ -182,6 +182,44 @@ def test_sampling_gate_catches_a_fused_cycle_sampling_at_another_temperature(mod
     cycle = fused(gate_engine("torch", model, random_checkpoints), GATE_K, wrong)
     result = gates.gate_sampled_speculation(cycle, gate_prompt, GATE_K, GATE_SAMPLING, "torch/fused-fault")
     assert not result.passed, result.detail
+
+def _lengths(engine) -> list[int]:
+    return engine.lengths.tolist() if isinstance(engine, TorchEngine) else np.asarray(engine.lengths).tolist()
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED])
+def test_prefetch_changes_no_token(engines, framework, sampling):
+    """A cycle launched before the host reads the last one's results emits what it would have emitted launched
+    after, and the same cycles are counted. The one launched past the end runs out (JAX: one more call) but
+    advances no row past its budget, and a second run of the same cycle object drops it."""
+    engine = engines[framework]
+    runs = {}
+    for prefetch in (False, True):
+        cycle = fused(engine, K, sampling, prefetch=prefetch)
+        dispatches = getattr(engine, "dispatches", 0)
+        first = decode(cycle, K, 13)
+        dispatches = getattr(engine, "dispatches", 0) - dispatches
+        lengths = _lengths(engine)  # a last cycle may accept past the budget (JAX keeps it)
+        assert all(len(p) - 1 + 13 <= n <= len(p) - 1 + 13 + K for p, n in zip(PROMPTS, lengths))
+        again = decode(cycle, K, 13)
+        assert again.tokens == first.tokens and again.stats.cycles == first.stats.cycles
+        runs[prefetch] = first.tokens, first.stats.cycles, first.stats.timed_device_cycles, lengths, dispatches
+    assert runs[True][:4] == runs[False][:4]
+    assert len(runs[True][0][0]) == 13 and runs[True][1] > 1
+    if framework == "jax":
+        assert runs[True][4] == runs[False][4] + 1
+
+
+def test_rows_are_admitted_only_into_a_cycle_without_prefetch(engines):
+    from specdec.errors import SpecdecError
+
+    cycle = fused(engines["torch"], K, GREEDY, prefetch=True)
+    for change in (lambda: cycle.admit(0, PROMPTS[0], 4), lambda: cycle.load_row(0, PROMPTS[0]),
+                   lambda: cycle.retire(0)):
+        with pytest.raises(SpecdecError, match="without prefetch"):
+            change()
+
 
 # --- CUDA: the sampled cycle captured as one graph ---------------------------------------------------------
 

@@ -174,7 +174,7 @@ def test_fused_cycle_prefills_in_its_own_program_as_prefill_does(engine, tempera
     sampling = SamplingParams(temperature=temperature, seed=5)
     draft_fn = NgramDrafter().device_draft_fn("jax", K_MAX)
     expected = engine.generate_fused(PROMPT, 40, draft_fn=draft_fn, sampling=sampling)
-    cycle = JaxFusedCycle(engine, draft_fn, K_MAX, sampling, cycles_per_call=3)
+    cycle = JaxFusedCycle(engine, draft_fn, K_MAX, sampling, cycles_per_call=3, prefetch=False)
     before = engine.dispatches
     run = run_cycles(cycle, [PROMPT], K_MAX, StopCondition(40))
     assert run.tokens[0] == expected
