@@ -1,6 +1,7 @@
 """The serving scheduler's two ways to run a cycle, driven step by step (no thread, no HTTP): the fused greedy
 cycle over the whole batch and the host cycle that sampled requests need give a greedy request the same
-tokens, also when its cycles switch between them."""
+tokens, also when its cycles switch between them, and when the fused cycle prefetches (as on a GPU): a request
+admitted or a host cycle run while a fused cycle is in flight."""
 
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ def request(prompt, max_new_tokens, sampling=SamplingParams()):
 class Steps:
     """A scheduler whose loop the test turns by hand, counting which kind of cycle each step ran."""
 
-    def __init__(self, engine, k: int, fused: bool = True):
+    def __init__(self, engine, k: int, fused: bool = True, prefetch: bool = False):
         self.scheduler = Scheduler(engine, SpeculativeConfig("ngram", k) if k else SpeculativeConfig())
         if not fused:
             self.scheduler.cycle = None
+        else:
+            self.scheduler.cycle.prefetch = prefetch  # a CPU engine's default is off
         self.ran = []
         for kind in ("fused", "host"):
             setattr(self.scheduler, f"_{kind}_step", self._counted(kind, getattr(self.scheduler, f"_{kind}_step")))
@@ -46,10 +49,7 @@ class Steps:
 
     def turn(self) -> None:
         """One iteration of the scheduler's loop."""
-        self.scheduler._drop_cancelled()
-        self.scheduler._admit()
-        if self.scheduler.running:
-            self.scheduler._step()
+        self.scheduler._turn()
 
     def run(self, req: Request) -> list[int]:
         self.scheduler.submit(req)
@@ -59,16 +59,18 @@ class Steps:
 
 
 @pytest.mark.parametrize("k", [0, 4])
-def test_fused_and_host_cycles_emit_the_same_greedy_tokens(engine, k):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fused_and_host_cycles_emit_the_same_greedy_tokens(engine, k, prefetch):
     host = Steps(engine, k, fused=False)
-    fused = Steps(engine, k)
+    fused = Steps(engine, k, prefetch=prefetch)
     assert host.run(request(PROMPT, NEW_TOKENS)) == fused.run(request(PROMPT, NEW_TOKENS))
     assert set(host.ran) == {"host"} and set(fused.ran) == {"fused"}
 
 
-def test_a_greedy_request_keeps_its_tokens_when_a_sampled_one_joins_and_leaves(engine):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_greedy_request_keeps_its_tokens_when_a_sampled_one_joins_and_leaves(engine, prefetch):
     solo = Steps(engine, 4).run(request(PROMPT, NEW_TOKENS))
-    steps = Steps(engine, 4)
+    steps = Steps(engine, 4, prefetch=prefetch)
     scheduler = steps.scheduler
     greedy = request(PROMPT, NEW_TOKENS)
     scheduler.submit(greedy)
@@ -80,6 +82,7 @@ def test_a_greedy_request_keeps_its_tokens_when_a_sampled_one_joins_and_leaves(e
         steps.turn()
     steps.turn()
     assert steps.ran[:2] == ["fused", "fused"] and steps.ran[-2:] == ["host", "fused"]
+    scheduler._collect()  # with prefetch, the cycle launched last
     # the fused cycle picked up where the host cycles left the greedy row
     context = scheduler.rows[0].context
     assert int(scheduler.cycle.context_len[0]) == len(context) == len(PROMPT) + len(greedy.tokens)
@@ -101,14 +104,16 @@ def test_a_cancelled_row_stops_advancing_and_its_row_serves_the_next_request(eng
     assert steps.run(request(PROMPT[:6], 12)) == solo
 
 
-def test_a_request_that_fills_the_context_leaves_its_row_safe_for_the_rows_beside_it(engine):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_request_that_fills_the_context_leaves_its_row_safe_for_the_rows_beside_it(engine, prefetch):
     """Its last cycle may accept past its budget; the row must not advance past the context, or the cycles the
-    other rows go on with would run its position past the cache and the RoPE tables."""
+    other rows go on with would run its position past the cache and the RoPE tables. With prefetch the second
+    request arrives while a cycle is in flight."""
     longest = engine.max_seq_len - engine.width + 1 - len(PROMPT)  # what the server allows without max_tokens
     short = [7, 3, 7, 3, 7]
     solo_long = Steps(engine, 4).run(request(PROMPT, longest))
     solo_short = Steps(engine, 4).run(request(short, 80))
-    steps = Steps(engine, 4)
+    steps = Steps(engine, 4, prefetch=prefetch)
     scheduler = steps.scheduler
     first, second = request(PROMPT, longest), request(short, 80)
     scheduler.submit(first)
@@ -119,3 +124,21 @@ def test_a_request_that_fills_the_context_leaves_its_row_safe_for_the_rows_besid
         steps.turn()
     assert (first.tokens, second.tokens) == (solo_long, solo_short)
     assert int(scheduler.engine.lengths.max()) < engine.max_seq_len - engine.width + 1
+
+
+def test_a_prefetching_cycle_hands_out_the_cycle_in_flight_before_a_request_is_admitted(engine):
+    """Requests arriving one after another while fused cycles run ahead: each gets its solo tokens, and no turn
+    admits a row while a cycle is in flight (the cycle refuses that)."""
+    prompts = [PROMPT, [7, 3, 7, 3, 7], [4, 4, 9, 4, 4, 9, 4], PROMPT[:5]]
+    solo = [Steps(engine, 4).run(request(p, 16)) for p in prompts]
+    steps = Steps(engine, 4, prefetch=True)
+    scheduler = steps.scheduler
+    requests = [request(p, 16) for p in prompts]
+    for req in requests:
+        scheduler.submit(req)
+        for _ in range(3):
+            steps.turn()
+    while scheduler.running or scheduler.num_waiting:
+        steps.turn()
+    assert [r.tokens for r in requests] == solo
+    assert set(steps.ran) == {"fused"} and scheduler.cycle._in_flight is not None

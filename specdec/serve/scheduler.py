@@ -10,7 +10,10 @@ Each iteration of the loop:
 
 Two ways to run step 2. While every request in flight is greedy, the torch engine runs it as one
 `FusedCycle` over the whole batch: drafting over a device token buffer, verify, acceptance and commit are one
-CUDA graph replay and one read of the results, as in `specdec generate`. Otherwise (a sampled request in
+CUDA graph replay and one read of the results, as in `specdec generate`. On a GPU the next cycle is launched
+before this one's results are read, so the device decodes while this thread hands out tokens; when a request
+waits for a free row (or a host cycle is due), the loop first reads the cycle in flight, which ran over the
+rows as they were, and only then admits. Otherwise (a sampled request in
 flight, or the JAX engine) the host drafts per row and accepts greedy rows together and each sampled row
 with its own seeded random stream, so a seeded request draws the same numbers whatever else shares the
 batch. Both draft by the same n-gram rule.
@@ -149,8 +152,7 @@ class Scheduler:
 
         spec = self.speculative
         draft_fn = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max).device_draft_fn("torch", self.k)
-        # No prefetch: rows are admitted and retired between cycles.
-        cycle = FusedCycle(self.engine, draft_fn if self.k else None, self.k, prefetch=False)
+        cycle = FusedCycle(self.engine, draft_fn if self.k else None, self.k)
         for b in range(self.engine.batch):
             cycle.retire(b)
         return cycle
@@ -210,18 +212,38 @@ class Scheduler:
                     self._wakeup.wait()
                 if self._stopping:
                     return
+            self._turn()
+
+    def _turn(self) -> None:
+        """One iteration of the loop (module docstring)."""
+        try:
+            if self._change_due():
+                self._collect()
             self._drop_cancelled()
             self._admit()
-            if not self.running:
-                continue
-            try:
+            if self.running:
                 self._step()
-            except Exception as e:  # a bug: fail the requests in flight, keep serving
-                log.exception("decoding step failed")
-                for b, row in enumerate(self.rows):
-                    if row is not None:
-                        row.request.on_update(Update([], finished=True, error=f"internal error: {e}"))
-                        self._free(b)
+        except Exception as e:  # a bug: fail the requests in flight, keep serving
+            log.exception("decoding step failed")
+            if self.cycle is not None:
+                self.cycle.drain()
+            for b, row in enumerate(self.rows):
+                if row is not None:
+                    row.request.on_update(Update([], finished=True, error=f"internal error: {e}"))
+                    self._free(b)
+
+    def _change_due(self) -> bool:
+        """Whether this turn admits a request or runs a host cycle, either of which needs the rows as the host
+        knows them: the fused cycle in flight read first."""
+        with self._wakeup:
+            admits = bool(self.waiting) and any(row is None for row in self.rows)
+        return admits or any(row is not None and row.sampled is not None for row in self.rows)
+
+    def _collect(self) -> None:
+        """Hand out the results of the fused cycle in flight, if any, to the rows still running."""
+        result = self.cycle.collect() if self.cycle is not None else None
+        if result is not None:
+            self._deliver([b for b, row in enumerate(self.rows) if row is not None], result)
 
     def _drop_cancelled(self) -> None:
         for b, row in enumerate(self.rows):
@@ -274,7 +296,9 @@ class Scheduler:
             if not row.on_device:  # host cycles ran since the buffer last held its context
                 self.cycle.load_row(b, row.context)
                 row.on_device = True
-        self._deliver(active, self.cycle.step())
+        # The cycle in flight was launched over these rows (admissions collect it first); rows freed since
+        # ride along in it and are not handed its tokens.
+        self._deliver(active, self.cycle.step(prefetch=self.cycle.prefetch and not self._change_due()))
 
     def _host_step(self, active: list[int]) -> None:
         ops, k, batch = self.ops, self.k, len(self.rows)

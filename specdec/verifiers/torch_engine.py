@@ -337,8 +337,8 @@ class FusedCycle:
     `prefetch` (default: where there are graphs to replay): `step` launches the next cycle before it reads this
     one's results, so the device runs a cycle while the host streams the last one's tokens (nothing the host
     decides feeds the next cycle: budgets are on the device, and a row's tokens past its end are dropped). The
-    cycle run after the last one read is wasted; `drain` waits for it. Rows are then admitted, loaded and
-    retired only without prefetch, since a cycle in flight would run over the change."""
+    cycle run after the last one read is wasted; `drain` waits for it. A server decides per step, and reads the
+    cycle in flight (`collect`) before it admits or loads a row: that cycle ran over the rows as they were."""
 
     def __init__(self, engine: TorchEngine, draft_fn, k: int, sampling: SamplingParams = SamplingParams(),
                  prefetch: bool | None = None):
@@ -391,7 +391,7 @@ class FusedCycle:
         the sampler's one generator would tie the row's draws to the rows beside it."""
         if self.drafter is not None or self.generator is not None:
             raise SpecdecError("rows are admitted one by one only into greedy cycles with a stateless drafter")
-        self._refuse_prefetch("admitted")
+        self._refuse_in_flight("admitted")
         self.verifier.prefill_row(row, prompt)
         self.load_row(row, prompt)
         self.limit[row] = len(prompt) + max_new_tokens  # it advances while its context is shorter
@@ -399,13 +399,13 @@ class FusedCycle:
     def load_row(self, row: int, context: list[int]) -> None:
         """Set one row's tokens (prompt + emitted, the last one pending), whose keys and values but the last are in
         the cache."""
-        self._refuse_prefetch("loaded")
+        self._refuse_in_flight("loaded")
         self.buffer[row, : len(context)] = torch.tensor(context, device=self.buffer.device)
         self.context_len[row] = len(context)
 
     def retire(self, row: int) -> None:
-        """Stop one row advancing: it rides along, drafting from the one token it keeps, until it is admitted again."""
-        self._refuse_prefetch("retired")
+        """Stop one row advancing: it rides along, drafting from the one token it keeps, until it is admitted again.
+        A cycle in flight may still advance it once; its results for the row are the caller's to ignore."""
         self.limit[row] = 0
         self.context_len[row].clamp_(min=1)  # the pending token is read at context_len - 1
 
@@ -446,10 +446,10 @@ class FusedCycle:
         # What the host reads of a cycle, packed into one tensor: one copy to the host.
         return torch.cat([num_accepted[:, None], next_token[:, None], draft_len[:, None], draft], dim=1)
 
-    def _refuse_prefetch(self, what: str) -> None:
-        if self.prefetch:
-            raise SpecdecError(f"rows are {what} one by one only in a cycle without prefetch (a cycle in flight "
-                               "would run over the change)")
+    def _refuse_in_flight(self, what: str) -> None:
+        if self._in_flight is not None:
+            raise SpecdecError(f"a row is {what} while a cycle is in flight, which ran over the rows as they were: "
+                               "collect it first")
 
     def _capture(self) -> None:
         """Warm up and capture on a side stream, putting back the state each cycle advanced. Every one of
@@ -506,9 +506,21 @@ class FusedCycle:
         event.record()
         return event, host
 
-    def step(self) -> CycleResult:
-        event, host = self._in_flight or self._launch()
-        self._in_flight = self._launch() if self.prefetch else None
+    def step(self, prefetch: bool | None = None) -> CycleResult:
+        """This cycle's results (the one in flight, else one launched now); `prefetch` (None: the cycle's
+        setting) launches the next one first."""
+        launched = self._in_flight or self._launch()
+        self._in_flight = self._launch() if (self.prefetch if prefetch is None else prefetch) else None
+        return self._read(*launched)
+
+    def collect(self) -> CycleResult | None:
+        """The results of the cycle in flight, launching none; None if there is none."""
+        if self._in_flight is None:
+            return None
+        launched, self._in_flight = self._in_flight, None
+        return self._read(*launched)
+
+    def _read(self, event, host) -> CycleResult:
         if event is not None:
             event.synchronize()
         self.device_cycles += 1

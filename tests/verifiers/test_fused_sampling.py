@@ -211,14 +211,17 @@ def test_prefetch_changes_no_token(engines, framework, sampling):
         assert runs[True][4] == runs[False][4] + 1
 
 
-def test_rows_are_admitted_only_into_a_cycle_without_prefetch(engines):
+def test_a_row_is_admitted_only_once_the_cycle_in_flight_is_collected(engines):
     from specdec.errors import SpecdecError
 
     cycle = fused(engines["torch"], K, GREEDY, prefetch=True)
-    for change in (lambda: cycle.admit(0, PROMPTS[0], 4), lambda: cycle.load_row(0, PROMPTS[0]),
-                   lambda: cycle.retire(0)):
-        with pytest.raises(SpecdecError, match="without prefetch"):
+    cycle.start(PROMPTS, StopCondition(8))
+    cycle.step()
+    for change in (lambda: cycle.admit(0, PROMPTS[0], 4), lambda: cycle.load_row(0, PROMPTS[0])):
+        with pytest.raises(SpecdecError, match="collect it first"):
             change()
+    assert cycle.collect() is not None and cycle.collect() is None
+    cycle.admit(0, PROMPTS[0], 4)
 
 
 # --- CUDA: the sampled cycle captured as one graph ---------------------------------------------------------
