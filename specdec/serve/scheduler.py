@@ -11,9 +11,9 @@ Each iteration of the loop:
 Two ways to run step 2. While every request in flight is greedy, the torch engine runs it as one
 `FusedCycle` over the whole batch: drafting over a device token buffer, verify, acceptance and commit are one
 CUDA graph replay and one read of the results, as in `specdec generate`. On a GPU the next cycle is launched
-before this one's results are read, so the device decodes while this thread hands out tokens; when a request
-waits for a free row (or a host cycle is due), the loop first reads the cycle in flight, which ran over the
-rows as they were, and only then admits. Otherwise (a sampled request in
+before this one's results are read, so the device decodes while this thread hands out tokens. Before it admits
+a request or runs a host cycle, the loop reads the cycle in flight, which ran over the rows as they were.
+Otherwise (a sampled request in
 flight, or the JAX engine) the host drafts per row and accepts greedy rows together and each sampled row
 with its own seeded random stream, so a seeded request draws the same numbers whatever else shares the
 batch. Both draft by the same n-gram rule.
@@ -217,33 +217,26 @@ class Scheduler:
     def _turn(self) -> None:
         """One iteration of the loop (module docstring)."""
         try:
-            if self._change_due():
-                self._collect()
             self._drop_cancelled()
             self._admit()
             if self.running:
                 self._step()
         except Exception as e:  # a bug: fail the requests in flight, keep serving
             log.exception("decoding step failed")
-            if self.cycle is not None:
-                self.cycle.drain()
             for b, row in enumerate(self.rows):
                 if row is not None:
                     row.request.on_update(Update([], finished=True, error=f"internal error: {e}"))
                     self._free(b)
 
-    def _change_due(self) -> bool:
-        """Whether this turn admits a request or runs a host cycle, either of which needs the rows as the host
-        knows them: the fused cycle in flight read first."""
-        with self._wakeup:
-            admits = bool(self.waiting) and any(row is None for row in self.rows)
-        return admits or any(row is not None and row.sampled is not None for row in self.rows)
+    def _active(self) -> list[int]:
+        return [b for b, row in enumerate(self.rows) if row is not None]
 
     def _collect(self) -> None:
-        """Hand out the results of the fused cycle in flight, if any, to the rows still running."""
+        """Hand out the results of the fused cycle in flight, if any, to the rows still running. An admission
+        or a host cycle comes after it: that cycle ran over the rows as they were."""
         result = self.cycle.collect() if self.cycle is not None else None
         if result is not None:
-            self._deliver([b for b, row in enumerate(self.rows) if row is not None], result)
+            self._deliver(self._active(), result)
 
     def _drop_cancelled(self) -> None:
         for b, row in enumerate(self.rows):
@@ -263,6 +256,7 @@ class Scheduler:
             request = self._next_waiting()
             if request is None:
                 return
+            self._collect()
             try:
                 if self.cycle is not None:
                     self.cycle.admit(b, request.prompt, request.stop.max_new_tokens)
@@ -284,10 +278,11 @@ class Scheduler:
         return None
 
     def _step(self) -> None:
-        active = [b for b, row in enumerate(self.rows) if row is not None]
-        if self.cycle is not None and all(self.rows[b].sampled is None for b in active):
-            self._fused_step(active)
-        else:
+        if self.cycle is not None and all(self.rows[b].sampled is None for b in self._active()):
+            self._fused_step(self._active())
+            return
+        self._collect()
+        if active := self._active():  # the rows the collected cycle finished are gone
             self._host_step(active)
 
     def _fused_step(self, active: list[int]) -> None:
@@ -297,8 +292,10 @@ class Scheduler:
                 self.cycle.load_row(b, row.context)
                 row.on_device = True
         # The cycle in flight was launched over these rows (admissions collect it first); rows freed since
-        # ride along in it and are not handed its tokens.
-        self._deliver(active, self.cycle.step(prefetch=self.cycle.prefetch and not self._change_due()))
+        # ride along in it and are not handed its tokens. No cycle runs ahead of a due admission.
+        with self._wakeup:
+            admission_due = bool(self.waiting) and any(row is None for row in self.rows)
+        self._deliver(active, self.cycle.step(prefetch=self.cycle.prefetch and not admission_due))
 
     def _host_step(self, active: list[int]) -> None:
         ops, k, batch = self.ops, self.k, len(self.rows)
