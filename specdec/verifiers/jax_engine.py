@@ -706,7 +706,7 @@ class JaxFusedCycle:
 
     def step(self) -> CycleResult:
         while not self._ready:
-            results = self._in_flight or self._dispatch()
+            results = self._in_flight if self._in_flight is not None else self._dispatch()
             self._in_flight = self._dispatch() if self.prefetch else None
             self._read(results)
         return self._ready.pop()

@@ -509,7 +509,7 @@ class FusedCycle:
     def step(self, prefetch: bool | None = None) -> CycleResult:
         """This cycle's results (the one in flight, else one launched now); `prefetch` (None: the cycle's
         setting) launches the next one first."""
-        launched = self._in_flight or self._launch()
+        launched = self._in_flight if self._in_flight is not None else self._launch()
         self._in_flight = self._launch() if (self.prefetch if prefetch is None else prefetch) else None
         return self._read(*launched)
 
