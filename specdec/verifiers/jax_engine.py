@@ -623,12 +623,13 @@ class JaxFusedCycle:
     each `start`. The compiled program is the engine's, shared by every cycle of equal drafter settings,
     sampling filters and cycles per call.
 
-    `prefetch` (torch's FusedCycle has the same): `step` dispatches the next call before it reads this one's
-    results, so the device runs cycles while the host streams the last call's tokens. The call dispatched
-    after the last one read is wasted; `drain` waits for it."""
+    `prefetch` (default: on an accelerator; torch's FusedCycle has the same): `step` dispatches the next call
+    before it reads this one's results, so the device runs cycles while the host streams the last call's tokens.
+    The call dispatched after the last one read is wasted; `drain` waits for it. On the CPU the host and the
+    "device" share the cores, so the overlap buys little and the wasted call costs."""
 
     def __init__(self, engine: JaxEngine, draft_fn: DraftFn | None, k: int, sampling: SamplingParams = SamplingParams(),
-                 cycles_per_call: int = CYCLES_PER_CALL, prefetch: bool = True):
+                 cycles_per_call: int = CYCLES_PER_CALL, prefetch: bool | None = None):
         if not 0 <= k <= engine.k_max:
             raise SpecdecError(f"k={k} is outside 0..{engine.k_max} (the engine's compiled maximum)")
         if k > 0 and draft_fn is None:
@@ -645,7 +646,7 @@ class JaxFusedCycle:
         self.decode_cycles_in_start = 0  # decode cycles the last start ran with its prefill, handed out first by step
         self._compiling: list[Future] = []  # compile_ahead's compilations under way
         self.device_cycles = 0  # cycles of the calls whose results were read, cycles_per_call each (prefill's too)
-        self.prefetch = prefetch
+        self.prefetch = jax.default_backend() != "cpu" if prefetch is None else prefetch
         self._in_flight = None  # the results, on the device, of a call dispatched ahead and not read
         self.state: DecodeState | None = None
         self._stop: tuple[jax.Array, jax.Array] | None = None
