@@ -194,6 +194,7 @@ def test_prefetch_changes_no_token(engines, framework, sampling):
     after, and the same cycles are counted. The one launched past the end runs out (JAX: one more call) but
     advances no row past its budget, and a second run of the same cycle object drops it."""
     engine = engines[framework]
+    assert fused(engine, K, sampling).prefetch is False  # the default: only where it pays (graphs, an accelerator)
     runs = {}
     for prefetch in (False, True):
         cycle = fused(engine, K, sampling, prefetch=prefetch)
