@@ -183,6 +183,7 @@ def test_sampling_gate_catches_a_fused_cycle_sampling_at_another_temperature(mod
     result = gates.gate_sampled_speculation(cycle, gate_prompt, GATE_K, GATE_SAMPLING, "torch/fused-fault")
     assert not result.passed, result.detail
 
+
 def _lengths(engine) -> list[int]:
     return engine.lengths.tolist() if isinstance(engine, TorchEngine) else np.asarray(engine.lengths).tolist()
 
