@@ -42,7 +42,6 @@ def test_bad_flag_is_refused():
     assert done.returncode == 2 and "--layers does not cut e4b" in done.stderr
 
 
-
 def test_a_failed_measurement_fails_the_run():
     """Three devices do not divide the toy 31B's 2 KV heads: its measurement fails, and so does the run."""
     done = roofline("--tiny", "--models", "31b", "--engines", "torch", "--tensor-parallel", "3", "--steps", "2")

@@ -278,8 +278,9 @@ class Scheduler:
         return None
 
     def _step(self) -> None:
-        if self.cycle is not None and all(self.rows[b].sampled is None for b in self._active()):
-            self._fused_step(self._active())
+        active = self._active()
+        if self.cycle is not None and all(self.rows[b].sampled is None for b in active):
+            self._fused_step(active)
             return
         self._collect()
         if active := self._active():  # the rows the collected cycle finished are gone
