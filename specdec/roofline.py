@@ -237,6 +237,9 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         torch.cuda.synchronize()
         bandwidth = 2 * x.numel() * 10 / (begin.elapsed_time(end) / 1e3)
     if tp > 1:
+        # Both ranks reach the teardown before either closes its connections: one rank's gloo, torn down while the
+        # other still held the pair, aborted ("terminate called without an active exception", 1 run in 6).
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     if rank > 0:
         return None
