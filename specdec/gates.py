@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec.errors import SpecdecError
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, seed_words
 
 P_VALUE_THRESHOLD = 1e-4
 MIN_EXPECTED_PER_CELL = 5.0
@@ -281,6 +281,11 @@ def _check_reproducible(case: SamplingCase, accept: AcceptRule, warp: WarpRule, 
     return GateResult("sampling/seeded_reproducible", all(detail.values()), detail)
 
 
+def _row_keys(batch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's seed (seed + row) as the rules' words, and a position of 0: every row draws its own numbers."""
+    return seed_words(SamplingParams(seed=seed).row_seeds(batch)), np.zeros(batch, np.int32)
+
+
 def framework_rules(framework: str) -> tuple[AcceptRule, WarpRule]:
     """numpy-in, numpy-out accept_sampled and warp_probs of one framework."""
     if framework == "torch":
@@ -289,11 +294,11 @@ def framework_rules(framework: str) -> tuple[AcceptRule, WarpRule]:
         from specdec.acceptance import torch_rule
 
         def accept(draft_tokens, draft_len, draft_probs, target_logits, params, seed):
-            generator = torch.Generator().manual_seed(seed)
+            seeds, positions = _row_keys(len(draft_tokens), seed)
             outputs = torch_rule.accept_sampled(
                 torch.from_numpy(draft_tokens), torch.from_numpy(draft_len),
                 None if draft_probs is None else torch.from_numpy(draft_probs),
-                torch.from_numpy(target_logits), params, generator,
+                torch.from_numpy(target_logits), params, torch.from_numpy(seeds), torch.from_numpy(positions),
             )
             return tuple(x.numpy() for x in outputs)
 
@@ -310,8 +315,9 @@ def framework_rules(framework: str) -> tuple[AcceptRule, WarpRule]:
         warp_jit = jax.jit(jax_rule.warp_probs, static_argnames="params")
 
         def accept(draft_tokens, draft_len, draft_probs, target_logits, params, seed):
-            outputs = accept_jit(draft_tokens, draft_len, draft_probs, target_logits,
-                                 params=params, key=jax.random.key(seed))
+            seeds, positions = _row_keys(len(draft_tokens), seed)
+            outputs = accept_jit(draft_tokens, draft_len, draft_probs, target_logits, params=params,
+                                 seeds=seeds.astype(np.uint32), positions=positions)
             return tuple(np.asarray(x) for x in outputs)
 
         def warp(logits, params):

@@ -15,7 +15,7 @@ import numpy as np
 
 from specdec.errors import SpecdecError
 from specdec.protocol import Draft, Drafter, Verifier
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, seed_words
 
 
 @dataclass
@@ -151,7 +151,6 @@ class _Ops:
             self.xp = torch
             self.accept_greedy, self.accept_sampled = rule.accept_greedy, rule.accept_sampled
             self.device = verifier.device
-        self.randomness = None if sampling.greedy else RandomStream(self, sampling.seed)
 
     def on_device(self, draft: Draft) -> Draft:
         """A host drafter's numpy arrays as the verifier's arrays."""
@@ -168,11 +167,18 @@ class _Ops:
             return self.xp.concatenate([pending[:, None].astype(draft.tokens.dtype), draft.tokens], axis=1)
         return self.xp.cat([pending[:, None], draft.tokens], dim=1)
 
-    def accept(self, draft: Draft, logits):
-        if self.randomness is None:
+    def accept(self, draft: Draft, logits, seeds=None, positions=None):
+        """The batch's acceptance; sampled, row b draws with seeds[b] at positions[b] (specdec.acceptance)."""
+        if self.sampling.greedy:
             return self.accept_greedy(draft.tokens, draft.lengths, logits)
-        return self.accept_sampled(draft.tokens, draft.lengths, draft.probs, logits, self.sampling,
-                                   self.randomness.next())
+        return self.accept_sampled(draft.tokens, draft.lengths, draft.probs, logits, self.sampling, seeds, positions)
+
+    def seeds(self, seeds: list[int]):
+        """Seeds as the rule's keys on the device (specdec.sampling.seed_words)."""
+        words = seed_words(seeds)
+        if self.jax:
+            return self.xp.asarray(words, self.xp.uint32)
+        return self.xp.as_tensor(words, device=self.device)
 
     def empty_draft(self, batch: int) -> Draft:
         if self.jax:
@@ -195,38 +201,6 @@ class _Ops:
         flat = self.xp.cat([a.reshape(a.shape[0], -1).long() for a in arrays], dim=1).cpu().numpy()
         widths = np.cumsum([int(np.prod(a.shape[1:])) for a in arrays])[:-1]
         return [part.reshape(a.shape) for part, a in zip(np.split(flat, widths, axis=1), arrays)]
-
-
-class RandomStream:
-    """The randomness of one sampled generation for the acceptance rule: a torch generator (handed to each
-    draw) or a JAX key (split for each draw), seeded from the request's seed (None: 0). `reseed` starts it
-    over, as the fused cycles do at each start: a seeded generation draws the same numbers whatever ran
-    before it (a warm-up, other requests)."""
-
-    def __init__(self, ops: _Ops, seed: int | None):
-        self.jax, self.seed = ops.jax, seed or 0
-        if not self.jax:
-            import torch
-
-            self.generator = torch.Generator(device=ops.device)
-        self.reseed()
-
-    def reseed(self) -> None:
-        if self.jax:
-            import jax
-
-            self.key = jax.random.PRNGKey(self.seed)
-        else:
-            self.generator.manual_seed(self.seed)
-
-    def next(self):
-        """What the framework's accept_sampled takes for one draw."""
-        if not self.jax:
-            return self.generator
-        import jax
-
-        self.key, draw = jax.random.split(self.key)
-        return draw
 
 
 class StopCondition:
@@ -284,9 +258,9 @@ class HostCycle:
         advancing: it rides along in the batch until every row is done, but commits nothing more, so it
         never runs past the context the budget was checked against."""
         self.batch = len(prompts)
-        if self.ops.randomness is not None:
-            self.ops.randomness.reseed()
+        self.seeds = None if self.ops.sampling.greedy else self.ops.seeds(self.ops.sampling.row_seeds(self.batch))
         self.pending = self.verifier.prefill(prompts)
+        self.positions = np.array([len(p) - 1 for p in prompts])  # of the pending tokens
         self.generated = np.zeros(self.batch, np.int64)
         self.budget = stop.max_new_tokens if stop is not None else np.iinfo(np.int64).max
         if self.drafter is not None:
@@ -298,10 +272,13 @@ class HostCycle:
         live = self.generated < self.budget
         draft = ops.on_device(self.drafter.propose(self.k)) if self.k > 0 else ops.empty_draft(self.batch)
         out = self.verifier.verify(ops.tokens_with_pending(self.pending, draft))
-        num_accepted, self.pending = ops.accept(draft, out.logits)
+        positions = None if self.seeds is None else ops.as_array(self.positions)
+        num_accepted, self.pending = ops.accept(draft, out.logits, self.seeds, positions)
         self.verifier.commit((num_accepted + 1) * ops.as_array(live))
         result = CycleResult(*ops.to_host(num_accepted, self.pending, draft.tokens, draft.lengths))
-        self.generated += np.where(live, result.num_accepted + 1, 0)
+        advance = np.where(live, result.num_accepted + 1, 0)
+        self.generated += advance
+        self.positions += advance
         if self.drafter is not None:
             self.drafter.observe([result.emitted(b) if live[b] else [] for b in range(self.batch)], out.hidden)
         return result

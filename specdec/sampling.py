@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from specdec.errors import SpecdecError
 
 
@@ -34,3 +36,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def filters(self) -> frozenset[str]:
+        """The filters these settings switch on."""
+        on = {"top_k": self.top_k > 0, "top_p": self.top_p < 1, "min_p": self.min_p > 0}
+        return frozenset(name for name, used in on.items() if used and not self.greedy)
+
+    def row_seeds(self, batch: int) -> list[int]:
+        """The seed each row of a batch draws with: the request's (None: 0) + the row, so rows differ."""
+        return [((self.seed or 0) + b) % 2**64 for b in range(batch)]
+
+
+def seed_words(seeds: list[int]) -> np.ndarray:
+    """Seeds [B] (below 2^64) as the acceptance rules' keys: [B, 2] 32-bit words (low, high), int64 (torch
+    holds them so; JAX takes them as uint32)."""
+    seeds = np.asarray([s % 2**64 for s in seeds], np.uint64)
+    return np.stack([seeds & np.uint64(0xFFFFFFFF), seeds >> np.uint64(32)], axis=1).astype(np.int64)

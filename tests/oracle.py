@@ -80,3 +80,20 @@ def ngram_propose(tokens, k: int, min_ngram: int, max_ngram: int) -> list[int]:
             if tokens[start : start + n] == suffix:
                 return tokens[start + n : start + n + k]
     return []
+
+
+def keyed_uniform(seed: int, position: int, lane: int) -> float:
+    """The acceptance rules' keyed draw (specdec.acceptance), in Python integers: PCG4D of (seed low, seed high,
+    position, lane)."""
+    mask = 2**32 - 1
+    seed, position, lane = int(seed), int(position), int(lane)
+    v = [seed & mask, seed >> 32, position, lane]
+    v = [(x * 1664525 + 1013904223) & mask for x in v]
+    for round_ in range(2):
+        if round_:
+            v = [x ^ (x >> 16) for x in v]
+        v[0] = (v[0] + v[1] * v[3]) & mask
+        v[1] = (v[1] + v[2] * v[0]) & mask
+        v[2] = (v[2] + v[0] * v[1]) & mask
+        v[3] = (v[3] + v[1] * v[2]) & mask
+    return (v[0] >> 8) / 2**24

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from specdec.errors import SpecdecError
-from specdec.sampling import SamplingParams
+from specdec.gates import framework_rules
+from specdec.sampling import SamplingParams, seed_words
 from tests import oracle
 
 torch = pytest.importorskip("torch")
@@ -28,21 +29,13 @@ class TorchRules:
         )
         return tuple(x.numpy() for x in outputs)
 
-    @staticmethod
-    def accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, seed):
-        outputs = torch_rule.accept_sampled(
-            torch.from_numpy(draft_tokens), torch.from_numpy(draft_len),
-            None if draft_probs is None else torch.from_numpy(draft_probs),
-            torch.from_numpy(target_logits), params, torch.Generator().manual_seed(seed),
-        )
-        return tuple(x.numpy() for x in outputs)
+    accept_sampled = staticmethod(framework_rules("torch")[0])
 
 
 class JaxRules:
     # Always under jit, as the fused loop runs them.
     _warp = staticmethod(jax.jit(jax_rule.warp_probs, static_argnames="params"))
     _greedy = staticmethod(jax.jit(jax_rule.accept_greedy))
-    _sampled = staticmethod(jax.jit(jax_rule.accept_sampled, static_argnames="params"))
 
     @classmethod
     def warp_probs(cls, logits, params):
@@ -52,11 +45,7 @@ class JaxRules:
     def accept_greedy(cls, draft_tokens, draft_len, target_logits):
         return tuple(np.asarray(x) for x in cls._greedy(draft_tokens, draft_len, target_logits))
 
-    @classmethod
-    def accept_sampled(cls, draft_tokens, draft_len, draft_probs, target_logits, params, seed):
-        outputs = cls._sampled(draft_tokens, draft_len, draft_probs, target_logits,
-                               params=params, key=jax.random.key(seed))
-        return tuple(np.asarray(x) for x in outputs)
+    accept_sampled = staticmethod(framework_rules("jax")[0])  # jitted there
 
 
 @pytest.fixture(params=["torch", "jax"])
@@ -218,6 +207,80 @@ def test_sampled_with_identical_draft_and_target_accepts_everything(rules):
     np.testing.assert_array_equal(num_accepted, 2)
 
 
+KEYED_CASES = [(0, 0), (1, 5), (2**32 - 1, 3), (2**32, 3), (2**63 - 1, 100_000), (12345678901234, 2**31 - 1)]
+
+
+def test_keyed_draws_are_the_spec_hash_in_both_frameworks():
+    seeds, positions = zip(*KEYED_CASES)
+    words = seed_words(list(seeds))
+    lanes = 7
+    got_torch = torch_rule.keyed_uniform(torch.from_numpy(words), torch.tensor(positions), lanes).numpy()
+    got_jax = np.asarray(jax.jit(jax_rule.keyed_uniform, static_argnums=2)(
+        words.astype(np.uint32), np.asarray(positions, np.int32), lanes))
+    want = np.array([[oracle.keyed_uniform(s, p, j) for j in range(lanes)] for s, p in KEYED_CASES], np.float32)
+    np.testing.assert_array_equal(got_torch, want)
+    np.testing.assert_array_equal(got_jax, want)
+
+
+def test_keyed_draws_are_uniform_over_seeds_positions_and_lanes():
+    """Chi-square over 64 bins (63 degrees of freedom: 103.4 is the 0.999 quantile) of 2^18 draws, varying
+    one key at a time: the seed, the position, the lane."""
+    n = 2**12
+    draws = [
+        torch_rule.keyed_uniform(torch.from_numpy(seed_words(list(range(n)))), torch.zeros(n, dtype=torch.long), 64),
+        torch_rule.keyed_uniform(torch.from_numpy(seed_words([7] * n)), torch.arange(n), 64),
+        torch_rule.keyed_uniform(torch.from_numpy(seed_words([7])), torch.tensor([3]), 64 * n),
+    ]
+    for uniform in draws:
+        counts = np.bincount((uniform.numpy().ravel() * 64).astype(int), minlength=64)
+        expected = counts.sum() / 64
+        assert ((counts - expected) ** 2 / expected).sum() < 103.4
+        assert 0 <= uniform.min() and uniform.max() < 1
+
+
+def test_a_rows_draws_do_not_depend_on_the_rows_beside_it(rules):
+    rng = np.random.default_rng(11)
+    batch, k, vocab = 8, 3, 9
+    target_logits = rng.normal(size=(batch, k + 1, vocab)).astype(np.float32)
+    draft_tokens = rng.integers(0, vocab, (batch, k)).astype(np.int64)
+    draft_probs = rng.dirichlet(np.ones(vocab), (batch, k)).astype(np.float32)
+    params = SamplingParams(temperature=1.0)
+    together = rules.accept_sampled(draft_tokens, np.full(batch, k), draft_probs, target_logits, params, seed=20)
+    for b in (0, 5):  # row b of seed 20 draws with seed 20 + b (SamplingParams.row_seeds)
+        alone = rules.accept_sampled(draft_tokens[b : b + 1], np.full(1, k), draft_probs[b : b + 1],
+                                     target_logits[b : b + 1], params, seed=20 + b)
+        assert (together[0][b], together[1][b]) == (alone[0][0], alone[1][0])
+
+
+def test_inverse_cdf_never_draws_a_token_without_weight():
+    """A uniform just below 1 times the total may round up to it: the draw stops at the last token with weight."""
+    weights = torch.tensor([[0.3, 0.0, 0.7, 0.0, 0.0], [1e-30, 1.0, 0.0, 1e-30, 0.0]])
+    for u in (0.0, 0.5, 1 - 2.0**-24):
+        tokens = torch_rule._inverse_cdf(weights, torch.full((2,), u))
+        assert (weights.gather(1, tokens[:, None]) > 0).all()
+    assert torch_rule._inverse_cdf(weights, torch.zeros(2)).tolist() == [0, 0]
+
+
+def test_per_row_settings_give_each_row_what_its_own_settings_give():
+    """torch's RowSampling (a server's batch): bitwise the warp and the tokens of each row's SamplingParams alone,
+    a greedy row among sampled ones included."""
+    rng = np.random.default_rng(12)
+    rows = list(WARP_PARAMS)  # every filter, mixed, and a greedy row
+    batch, k, vocab = len(rows), 2, 12
+    logits = torch.from_numpy(rng.normal(0, 2, (batch, k + 1, vocab)).astype(np.float32))
+    draft_tokens = torch.from_numpy(rng.integers(0, vocab, (batch, k)))
+    draft_len = torch.full((batch,), k)
+    per_row = torch_rule.RowSampling.of(rows)
+    warped = torch_rule.warp_probs(logits, per_row)
+    seeds, positions = torch.from_numpy(seed_words(list(range(batch)))), torch.arange(batch)
+    accepted = torch_rule.accept_sampled(draft_tokens, draft_len, None, logits, per_row, seeds, positions)
+    for b, params in enumerate(rows):
+        assert torch.equal(warped[b], torch_rule.warp_probs(logits[b], params))
+        alone = torch_rule.accept_sampled(draft_tokens[b : b + 1], draft_len[b : b + 1], None, logits[b : b + 1],
+                                          params, seeds[b : b + 1], positions[b : b + 1])
+        assert (accepted[0][b], accepted[1][b]) == (alone[0][0], alone[1][0])
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -255,12 +318,13 @@ def test_torch_rules_replay_in_a_cuda_graph():
 
     draft_tokens, draft_len, target_logits = static = fresh_inputs()
     draft_probs = torch.softmax(torch.randn(batch, k, vocab, device="cuda"), dim=-1)
-    generator = torch.Generator(device="cuda")
+    seeds = torch.zeros(batch, 2, dtype=torch.long, device="cuda")
+    positions = torch.zeros(batch, dtype=torch.long, device="cuda")
 
     def run_rules():
         greedy = torch_rule.accept_greedy(draft_tokens, draft_len, target_logits)
         sampled = torch_rule.accept_sampled(draft_tokens, draft_len, draft_probs, target_logits,
-                                            params, generator)
+                                            params, seeds, positions)
         return greedy, sampled
 
     side_stream = torch.cuda.Stream()  # warm up off the capture stream, as capture requires
@@ -269,19 +333,18 @@ def test_torch_rules_replay_in_a_cuda_graph():
         run_rules()
     torch.cuda.current_stream().wait_stream(side_stream)
     graph = torch.cuda.CUDAGraph()
-    graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
         greedy_out, sampled_out = run_rules()
 
     for seed in range(3):
         for buffer, new in zip(static, fresh_inputs()):
             buffer.copy_(new)
-        generator.manual_seed(seed)
+        seeds.copy_(torch.from_numpy(seed_words(SamplingParams(seed=seed).row_seeds(batch))))
+        positions.fill_(seed)
         graph.replay()
         want = oracle.accept_greedy(*(x.cpu().numpy() for x in static))
         assert greedy_out[0].tolist() == want[0] and greedy_out[1].tolist() == want[1]
         replayed = [x.clone() for x in sampled_out]
-        generator.manual_seed(seed)  # the same seed eagerly gives the same tokens
-        eager = run_rules()[1]
+        eager = run_rules()[1]  # the same keys eagerly give the same tokens
         assert all(torch.equal(a, b) for a, b in zip(replayed, eager))
         assert (replayed[0] <= draft_len).all()

@@ -1,7 +1,7 @@
-"""The serving scheduler's two ways to run a cycle, driven step by step (no thread, no HTTP): the fused greedy
-cycle over the whole batch and the host cycle that sampled requests need give a greedy request the same
-tokens, also when its cycles switch between them, and when the fused cycle prefetches (as on a GPU): a request
-admitted or a host cycle run while a fused cycle is in flight."""
+"""The serving scheduler's two ways to run a cycle, driven step by step (no thread, no HTTP): the fused cycle
+over the whole batch (torch) and the host cycle (JAX's, here on the torch engine) give a request the same
+tokens, greedy or sampled, also beside other requests and when the fused cycle prefetches (as on a GPU): a
+request admitted while a fused cycle is in flight."""
 
 from __future__ import annotations
 
@@ -80,16 +80,36 @@ def test_a_greedy_request_keeps_its_tokens_when_a_sampled_one_joins_and_leaves(e
     scheduler.submit(sampled)
     while len(sampled.tokens) < 3:
         steps.turn()
-    steps.turn()
-    assert steps.ran[:2] == ["fused", "fused"] and steps.ran[-2:] == ["host", "fused"]
-    scheduler._collect()  # with prefetch, the cycle launched last
-    # the fused cycle picked up where the host cycles left the greedy row
-    context = scheduler.rows[0].context
-    assert int(scheduler.cycle.context_len[0]) == len(context) == len(PROMPT) + len(greedy.tokens)
-    assert scheduler.cycle.buffer[0, : len(context)].tolist() == context
     while scheduler.running:
         steps.turn()
+    assert set(steps.ran) == {"fused"}  # the sampled request too
     assert greedy.tokens == solo
+
+
+SAMPLED = [SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.8, top_p=0.9, seed=5),
+           SamplingParams(temperature=1.5, top_k=20, min_p=0.05, seed=7)]
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_sampled_requests_get_their_solo_tokens_beside_others_and_on_either_cycle(engine, prefetch):
+    """Each row samples by its own settings, drawing by its own seed and position: a seeded request's tokens are
+    those it gets alone, beside a greedy request or one of other filters, on the fused cycle or the host one."""
+    def solo(sampling, fused=True):
+        return Steps(engine, 4, fused=fused).run(request(PROMPT, NEW_TOKENS, sampling))
+
+    for sampling in SAMPLED:
+        assert solo(sampling) == solo(sampling, fused=False), sampling
+    assert len({tuple(solo(s)) for s in SAMPLED}) == len(SAMPLED)
+    for first, second in [(SAMPLED[1], SamplingParams()), (SAMPLED[1], SAMPLED[2]), (SAMPLED[0], SAMPLED[2])]:
+        steps = Steps(engine, 4, prefetch=prefetch)
+        requests = [request(PROMPT, NEW_TOKENS, first), request(PROMPT, NEW_TOKENS, second)]
+        steps.scheduler.submit(requests[0])
+        steps.turn()  # the second joins a cycle later, at another position
+        steps.scheduler.submit(requests[1])
+        while steps.scheduler.running or steps.scheduler.num_waiting:
+            steps.turn()
+        assert set(steps.ran) == {"fused"}
+        assert [r.tokens for r in requests] == [solo(first), solo(second)]
 
 
 def test_a_cancelled_row_stops_advancing_and_its_row_serves_the_next_request(engine):

@@ -28,7 +28,7 @@ accept_greedy(draft_tokens, draft_len, target_logits) -> (num_accepted [B], next
     torch.argmax and jnp.argmax both return the first maximal index. With K = 0 this is plain
     greedy decoding.
 
-accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, rng)
+accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, seeds, positions)
         -> (num_accepted [B], next_token [B])
     Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023) with
     p = warp_probs(target_logits, params). draft_probs [B, K, V] is q, the exact distribution each
@@ -39,9 +39,26 @@ accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, rng)
     that residual has no mass (p == q) it is drawn from p. If all draft_len drafts are accepted,
     the bonus is drawn from p at row draft_len. Every emitted token is then distributed exactly
     as the target alone would sample it. With greedy params it returns what accept_greedy does.
-    rng is a torch.Generator (torch) or a PRNG key (JAX), seeded per request so runs reproduce.
-    The random draws per call are fixed in shape ([B, K] uniforms, then [B, V] Gumbel noise),
-    independent of the data.
+    The next token is drawn by inverse CDF: the first token whose cumulative weight exceeds u_K
+    times the total weight (never past the last token with weight).
+    The draws are keyed, not streamed: row b's u_0 .. u_K = keyed_uniform(seeds[b], positions[b],
+    K + 1), where seeds [B, 2] are the row's seed as two 32-bit words (specdec.sampling.seed_words)
+    and positions [B] its pending token's position. A row's draws thus depend on its seed and its
+    position alone: not on the rows beside it, on what ran before, or on which loop (host or fused,
+    either framework) runs the cycle.
+
+keyed_uniform(seeds [B, 2], positions [B], n) -> [B, n] float32 in [0, 1)
+    Lane j of row b: the PCG4D hash (Jarzynski and Olano, "Hash Functions for GPU Rendering",
+    JCGT 2020) of the 32-bit words (seed low, seed high, position, j): each word v <- v * KEYED_STEP[0]
+    + KEYED_STEP[1]; then for i = 0..3, v[i] += v[a] * v[b] with (a, b) = KEYED_MIX[i]; then each
+    word v ^= v >> 16 and the mix again; all mod 2^32. The uniform is (v[0] >> 8) / 2^24. Both
+    frameworks compute the same words, so their draws are equal.
+
+Per-row params (torch's RowSampling, a server's batch): warp_probs and accept_sampled give row b
+what SamplingParams of row b's settings give it; a row of temperature 0 is greedy.
 
 All functions are vectorised over B and V, return device arrays and need no host sync.
 """
+
+KEYED_STEP = (1664525, 1013904223)  # keyed_uniform's first step: v * a + c, the LCG of Numerical Recipes
+KEYED_MIX = ((1, 3), (2, 0), (0, 1), (1, 2))  # v[i] += v[a] * v[b], for i = 0..3 in order

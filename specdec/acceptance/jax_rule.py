@@ -1,7 +1,8 @@
 """Acceptance rules in JAX; semantics in ``specdec.acceptance``.
 
-Pure functions with explicit PRNG keys. jit them with ``params`` static (SamplingParams is
-hashable); K is static through the shapes, so they also run inside ``lax.while_loop``.
+Pure functions whose random draws are keyed by each row's seed and position. jit them with ``params``
+static (SamplingParams is hashable); K is static through the shapes, so they also run inside
+``lax.while_loop``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specdec.acceptance import KEYED_MIX, KEYED_STEP
 from specdec.sampling import SamplingParams
 
 
@@ -44,17 +46,19 @@ def accept_sampled(
     draft_probs: jax.Array | None,
     target_logits: jax.Array,
     params: SamplingParams,
-    key: jax.Array,
+    seeds: jax.Array,
+    positions: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """-> (num_accepted [B], next_token [B]) by lossless rejection sampling.
 
     draft_probs [B, K, V] is the distribution the drafts were sampled from; None for a
-    deterministic drafter (a point mass on each draft token).
+    deterministic drafter (a point mass on each draft token). Row b draws keyed_uniform(seeds[b] [2],
+    positions[b] (its pending token's position), K + 1).
     """
-    batch, k = draft_tokens.shape
+    k = draft_tokens.shape[1]
     vocab = target_logits.shape[-1]
-    accept_key, sample_key = jax.random.split(key)
     p = warp_probs(target_logits, params)  # [B, K+1, V]
+    uniform = keyed_uniform(seeds, positions, k + 1)
 
     p_of_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
     if draft_probs is None:
@@ -62,8 +66,7 @@ def accept_sampled(
     else:
         draft_probs = draft_probs.astype(jnp.float32)
         q_of_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
-    uniform = jax.random.uniform(accept_key, (batch, k))
-    accepted = (uniform * q_of_draft < p_of_draft) & _in_draft(draft_tokens, draft_len)
+    accepted = (uniform[:, :k] * q_of_draft < p_of_draft) & _in_draft(draft_tokens, draft_len)
     num_accepted = jnp.cumprod(accepted.astype(jnp.int32), axis=-1).sum(axis=-1)
 
     # The next token comes from row num_accepted: the residual there if a draft was rejected,
@@ -81,8 +84,31 @@ def accept_sampled(
         # A residual without mass means p == q there; p is then the right distribution.
         use_residual = (num_accepted < draft_len) & (residual.sum(axis=-1) > 0)
         weights = jnp.where(use_residual[:, None], residual, p_next)
-    # categorical is Gumbel-max over log weights; log(0) = -inf is never chosen.
-    return num_accepted, jax.random.categorical(sample_key, jnp.log(weights), axis=-1)
+    return num_accepted, _inverse_cdf(weights, uniform[:, k])
+
+
+def keyed_uniform(seeds: jax.Array, positions: jax.Array, n: int) -> jax.Array:
+    """[B, n] float32 uniforms in [0, 1): lane j of row b is a hash of (seeds[b] (two 32-bit words), positions[b],
+    j), the shared rule's (specdec.acceptance), in uint32 arithmetic."""
+    lanes = jnp.broadcast_to(jnp.arange(n, dtype=jnp.uint32), (positions.shape[0], n))
+    seeds = seeds.astype(jnp.uint32)
+    v = [jnp.broadcast_to(seeds[:, :1], lanes.shape), jnp.broadcast_to(seeds[:, 1:], lanes.shape),
+         jnp.broadcast_to(positions.astype(jnp.uint32)[:, None], lanes.shape), lanes]
+    v = [x * jnp.uint32(KEYED_STEP[0]) + jnp.uint32(KEYED_STEP[1]) for x in v]
+    for round_ in range(2):
+        if round_:
+            v = [x ^ (x >> 16) for x in v]
+        for i, (a, b) in enumerate(KEYED_MIX):
+            v[i] = v[i] + v[a] * v[b]
+    return (v[0] >> 8).astype(jnp.float32) * 2.0**-24
+
+
+def _inverse_cdf(weights: jax.Array, uniform: jax.Array) -> jax.Array:
+    """One token per row [B, V], with probability proportional to weights, from one uniform [B] (torch_rule's)."""
+    cumulative = jnp.cumsum(weights, axis=-1)
+    index = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(axis=-1)
+    last_with_weight = weights.shape[-1] - 1 - jnp.argmax(jnp.flip(weights, axis=-1) > 0, axis=-1)
+    return jnp.minimum(index, last_with_weight)
 
 
 def _in_draft(draft_tokens: jax.Array, draft_len: jax.Array) -> jax.Array:

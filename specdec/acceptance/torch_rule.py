@@ -1,30 +1,89 @@
 """Acceptance rules in PyTorch; semantics in ``specdec.acceptance``. Token tensors are long.
 
 CUDA-graph capturable: static shapes, no ``.item()``, no Python branch on tensor values (branches
-only on K and on params, which are fixed for a captured graph). To capture ``accept_sampled`` with
-your own generator, register it with the graph (``torch.cuda.CUDAGraph.register_generator_state``).
+only on K and on params' static parts, which are fixed for a captured graph). The random draws are
+integer arithmetic on the row's seed and position (``keyed_uniform``): no generator state to register.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from specdec.acceptance import KEYED_MIX, KEYED_STEP
 from specdec.sampling import SamplingParams
 
+_WORD = 0xFFFFFFFF
 
-def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[..., V] logits -> [..., V] float32 probabilities the request samples from."""
+
+@dataclass(frozen=True, eq=False)
+class RowSampling:
+    """Per-row settings of a batch whose rows sample differently (a server's requests), as tensors [B]:
+    temperature (0: a greedy row), top_k (0: off), top_p (1: off), min_p (0: off). `filters` (static) names
+    the filters any row uses, so the others cost nothing; a row with a filter off is left as it is."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    filters: frozenset[str]
+
+    @classmethod
+    def of(cls, rows: list[SamplingParams], device=None) -> "RowSampling":
+        as_t = lambda name, dtype: torch.tensor([getattr(r, name) for r in rows], dtype=dtype, device=device)  # noqa: E731
+        return cls(as_t("temperature", torch.float32), as_t("top_k", torch.long), as_t("top_p", torch.float32),
+                   as_t("min_p", torch.float32), frozenset().union(*(r.filters for r in rows)))
+
+
+def warp_probs(logits: torch.Tensor, params: SamplingParams | RowSampling) -> torch.Tensor:
+    """[..., V] logits -> [..., V] float32 probabilities the request samples from; with RowSampling, row b
+    of the leading dimension as its own settings say (bitwise what SamplingParams of those settings give)."""
     logits = logits.float()
-    if params.greedy:
-        return _one_hot(logits.argmax(dim=-1), logits.shape[-1])
-    logits = logits / params.temperature
-    if params.top_k > 0:
-        logits = _top_k(logits, params.top_k)
-    if params.top_p < 1:
-        logits = _top_p(logits, params.top_p)
-    if params.min_p > 0:
-        logits = _min_p(logits, params.min_p)
-    return torch.softmax(logits, dim=-1)
+    if isinstance(params, SamplingParams):
+        if params.greedy:
+            return _one_hot(logits.argmax(dim=-1), logits.shape[-1])
+        greedy_rows = None
+        temperature, top_k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
+    else:  # per row, shaped to broadcast over the dimensions after the first
+        shape = (-1,) + (1,) * (logits.dim() - 1)
+        temperature, top_k, top_p, min_p = (t.view(shape) for t in
+                                             (params.temperature, params.top_k, params.top_p, params.min_p))
+        greedy_rows = temperature == 0
+        temperature = torch.where(greedy_rows, 1.0, temperature)
+    warped = logits / temperature
+    if "top_k" in params.filters:
+        warped = _top_k(warped, top_k)
+    if "top_p" in params.filters:
+        warped = _top_p(warped, top_p)
+    if "min_p" in params.filters:
+        warped = _min_p(warped, min_p)
+    probs = torch.softmax(warped, dim=-1)
+    if greedy_rows is not None:
+        probs = torch.where(greedy_rows, _one_hot(logits.argmax(dim=-1), logits.shape[-1]), probs)
+    return probs
+
+
+def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, n] float32 uniforms in [0, 1): lane j of row b is a hash of (seeds[b] (two 32-bit words), positions[b],
+    j), the shared rule's (specdec.acceptance). 32-bit words held in int64: products are split so that none
+    overflows, and shifts of non-negative values are logical."""
+    lanes = torch.arange(n, device=positions.device).expand(positions.shape[0], n)
+    v = [seeds[:, :1].expand_as(lanes), seeds[:, 1:].expand_as(lanes), positions[:, None].long().expand_as(lanes),
+         lanes]
+    v = [(_mul32(x, KEYED_STEP[0]) + KEYED_STEP[1]) & _WORD for x in v]
+    for round_ in range(2):
+        if round_:
+            v = [x ^ (x >> 16) for x in v]
+        for i, (a, b) in enumerate(KEYED_MIX):
+            v[i] = (v[i] + _mul32(v[a], v[b])) & _WORD
+    return (v[0] >> 8).float() * 2.0**-24
+
+
+def _mul32(a, b) -> torch.Tensor:
+    """a * b mod 2^32 for 32-bit words in int64, each partial product below 2^49."""
+    b_low, b_high = b & 0xFFFF, b >> 16
+    return (a * b_low + (((a * b_high) & 0xFFFF) << 16)) & _WORD
 
 
 def accept_greedy(
@@ -43,17 +102,20 @@ def accept_sampled(
     draft_len: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
+    params: SamplingParams | RowSampling,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (num_accepted [B], next_token [B]) by lossless rejection sampling.
 
     draft_probs [B, K, V] is the distribution the drafts were sampled from; None for a
-    deterministic drafter (a point mass on each draft token).
+    deterministic drafter (a point mass on each draft token). Row b draws keyed_uniform(seeds[b] [2],
+    positions[b] (its pending token's position), K + 1).
     """
     batch, k = draft_tokens.shape
     vocab = target_logits.shape[-1]
     p = warp_probs(target_logits, params)  # [B, K+1, V]
+    uniform = keyed_uniform(seeds, positions, k + 1)
 
     p_of_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     if draft_probs is None:
@@ -61,8 +123,7 @@ def accept_sampled(
     else:
         draft_probs = draft_probs.float()
         q_of_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    uniform = torch.rand((batch, k), generator=generator, device=p.device)
-    accepted = (uniform * q_of_draft < p_of_draft) & _in_draft(draft_tokens, draft_len)
+    accepted = (uniform[:, :k] * q_of_draft < p_of_draft) & _in_draft(draft_tokens, draft_len)
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)
 
     # The next token comes from row num_accepted: the residual there if a draft was rejected,
@@ -81,7 +142,7 @@ def accept_sampled(
         # A residual without mass means p == q there; p is then the right distribution.
         use_residual = (num_accepted < draft_len) & (residual.sum(dim=-1) > 0)
         weights = torch.where(use_residual[:, None], residual, p_next)
-    return num_accepted, _sample(weights, generator)
+    return num_accepted, _inverse_cdf(weights, uniform[:, k])
 
 
 def _in_draft(draft_tokens: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
@@ -94,6 +155,16 @@ def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return (torch.arange(vocab, device=tokens.device) == tokens[..., None]).float()
 
 
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row [B, V], with probability proportional to weights, from one uniform [B]: the first
+    token whose cumulative weight exceeds uniform * total, never past the last token with weight (the product
+    may round up to the total)."""
+    cumulative = weights.cumsum(dim=-1)
+    index = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)
+    last_with_weight = weights.shape[-1] - 1 - (weights.flip(-1) > 0).long().argmax(dim=-1)
+    return torch.minimum(index, last_with_weight)
+
+
 def _sample(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row, with probability proportional to weights (Gumbel-max)."""
     uniform = torch.rand(weights.shape, generator=generator, device=weights.device)
@@ -102,12 +173,19 @@ def _sample(weights: torch.Tensor, generator: torch.Generator | None) -> torch.T
     return (weights.log() + gumbel).argmax(dim=-1)
 
 
-def _top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    kth_largest = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+def _top_k(logits: torch.Tensor, top_k) -> torch.Tensor:
+    """top_k: an int (a partial sort), or per row (0: off; a whole sort, the same k-th value)."""
+    if not isinstance(top_k, torch.Tensor):
+        kth_largest = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        return logits.masked_fill(logits < kth_largest, -torch.inf)
+    vocab = logits.shape[-1]
+    kth = (torch.where(top_k > 0, top_k, vocab).clamp(max=vocab) - 1).expand(*logits.shape[:-1], 1)
+    kth_largest = torch.sort(logits, dim=-1, descending=True).values.gather(-1, kth)
     return logits.masked_fill(logits < kth_largest, -torch.inf)
 
 
-def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+def _top_p(logits: torch.Tensor, top_p) -> torch.Tensor:
+    """top_p: a float, or per row (1: off)."""
     # Descending stable sort puts lower ids first among equal logits; flipped, it is HF's ascending
     # order with higher ids lower.
     sorted_desc, order = torch.sort(logits, dim=-1, descending=True, stable=True)
@@ -115,6 +193,8 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     remove_asc = cumulative_asc <= 1 - top_p
     remove_asc[..., -1] = False  # the most likely token always stays
     remove = remove_asc.flip(-1).scatter(-1, order, remove_asc.flip(-1))
+    if isinstance(top_p, torch.Tensor):
+        remove &= top_p < 1
     return logits.masked_fill(remove, -torch.inf)
 
 

@@ -9,6 +9,7 @@ server-sent events ending with `data: [DONE]`), GET /v1/models, /health and /met
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import threading
@@ -95,10 +96,15 @@ class ModelServer:
         return f"http://{self.config.host}:{port}"
 
     def warm_up(self) -> None:
-        """One short greedy and one short sampled generation (the fused cycle and the host one), so no request
-        pays for compiling or capturing them."""
+        """Short generations, greedy and sampled with each set of filters (the torch cycle captures one graph per
+        set), so no request pays for compiling or capturing them."""
         prompt = self.tokenizer.encode("Hello")
-        for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
+        filters = {"top_k": 50, "top_p": 0.9, "min_p": 0.05}
+        samplings = [SamplingParams()]
+        for used in itertools.product((False, True), repeat=len(filters)):
+            chosen = {name: value for (name, value), on in zip(filters.items(), used) if on}
+            samplings.append(SamplingParams(temperature=1.0, seed=0, **chosen))
+        for sampling in samplings:
             self.scheduler.generate(prompt, sampling, StopCondition(2))
         self.scheduler.reset_stats()
 

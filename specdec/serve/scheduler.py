@@ -8,15 +8,15 @@ Each iteration of the loop:
   3. hands each request its new tokens (its stop condition applied); the accepted tokens + 1 of the rows
      that go on are committed, free and finished rows ride along and commit nothing.
 
-Two ways to run step 2. While every request in flight is greedy, the torch engine runs it as one
-`FusedCycle` over the whole batch: drafting over a device token buffer, verify, acceptance and commit are one
-CUDA graph replay and one read of the results, as in `specdec generate`. On a GPU the next cycle is launched
-before this one's results are read, so the device decodes while this thread hands out tokens. Before it admits
-a request or runs a host cycle, the loop reads the cycle in flight, which ran over the rows as they were.
-Otherwise (a sampled request in
-flight, or the JAX engine) the host drafts per row and accepts greedy rows together and each sampled row
-with its own seeded random stream, so a seeded request draws the same numbers whatever else shares the
-batch. Both draft by the same n-gram rule.
+Two ways to run step 2. The torch engine runs it as one `FusedCycle` over the whole batch: drafting over a
+device token buffer, verify, acceptance and commit are one CUDA graph replay and one read of the results, as in
+`specdec generate`, each row accepted by its request's sampling settings (greedy rows by the greedy rule alone
+while no sampled request is in flight). On a GPU the next cycle is launched before this one's results are read,
+so the device decodes while this thread hands out tokens. Before it admits a request, the loop reads the cycle
+in flight, which ran over the rows as they were. The JAX engine runs host cycles: the host drafts per row, and
+accepts greedy rows together and each sampled row alone, with its own settings. Both draft by the same n-gram
+rule, and a sampled row's draws are keyed by its seed and position (specdec.acceptance), so a seeded request
+draws the same numbers whatever else shares the batch.
 
 Every row of every forward runs at one fixed shape (the engine's row-invariant decode width), so a
 request's tokens are those it gets alone in the same server.
@@ -34,7 +34,7 @@ import numpy as np
 
 from specdec.drafters.ngram import ngram_propose
 from specdec.errors import SpecdecError
-from specdec.generate import CycleResult, RandomStream, SpecStats, StopCondition, _Ops
+from specdec.generate import CycleResult, SpecStats, StopCondition, _Ops
 from specdec.protocol import Draft, Verifier
 from specdec.sampling import SamplingParams
 
@@ -116,10 +116,9 @@ class _Row:
     def __init__(self, request: Request, ops: _Ops):
         self.request = request
         self.context = list(request.prompt)  # prompt + emitted tokens; the last one is pending
-        self.sampled = None if request.sampling.greedy else RandomStream(ops, request.sampling.seed)
+        self.seeds = None if request.sampling.greedy else ops.seeds([request.sampling.seed or 0])  # host cycles'
         # The rule's settings without the seed: JAX compiles the rule once per distinct settings.
         self.sampling = replace(request.sampling, seed=None)
-        self.on_device = True  # the fused cycle's token buffer holds `context` (no host cycle since)
 
 
 class Scheduler:
@@ -144,7 +143,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
 
     def _fused_cycle(self):
-        """The greedy FusedCycle over the whole batch (torch engine), its free rows retired; None for JAX."""
+        """The FusedCycle over the whole batch (torch engine), its free rows retired; None for JAX."""
         if self.ops.jax:
             return None
         from specdec.drafters.ngram import NgramDrafter
@@ -233,7 +232,7 @@ class Scheduler:
 
     def _collect(self) -> None:
         """Hand out the results of the fused cycle in flight, if any, to the rows still running. An admission
-        or a host cycle comes after it: that cycle ran over the rows as they were."""
+        comes after it: that cycle ran over the rows as they were."""
         result = self.cycle.collect() if self.cycle is not None else None
         if result is not None:
             self._deliver(self._active(), result)
@@ -259,7 +258,7 @@ class Scheduler:
             self._collect()
             try:
                 if self.cycle is not None:
-                    self.cycle.admit(b, request.prompt, request.stop.max_new_tokens)
+                    self.cycle.admit(b, request.prompt, request.stop.max_new_tokens, request.sampling)
                 else:
                     self.engine.prefill_row(b, request.prompt)
             except Exception as e:  # the server checked the prompt: a bug, but only this request's
@@ -279,19 +278,12 @@ class Scheduler:
 
     def _step(self) -> None:
         active = self._active()
-        if self.cycle is not None and all(self.rows[b].sampled is None for b in active):
+        if self.cycle is not None:
             self._fused_step(active)
-            return
-        self._collect()
-        if active := self._active():  # the rows the collected cycle finished are gone
+        else:
             self._host_step(active)
 
     def _fused_step(self, active: list[int]) -> None:
-        for b in active:
-            row = self.rows[b]
-            if not row.on_device:  # host cycles ran since the buffer last held its context
-                self.cycle.load_row(b, row.context)
-                row.on_device = True
         # The cycle in flight was launched over these rows (admissions collect it first); rows freed since
         # ride along in it and are not handed its tokens. No cycle runs ahead of a due admission.
         with self._wakeup:
@@ -309,7 +301,6 @@ class Scheduler:
             proposal = ngram_propose(context, k, self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
             drafts[b, : len(proposal)] = proposal
             draft_len[b] = len(proposal)
-            self.rows[b].on_device = False
         draft = ops.on_device(Draft(drafts, draft_len))
         out = self.engine.verify(ops.tokens_with_pending(self._on_device(pending), draft))
         num_accepted, next_token = ops.to_host(*self._accept(draft, out.logits, active))
@@ -337,16 +328,17 @@ class Scheduler:
 
     def _accept(self, draft: Draft, logits, active: list[int]):
         """(num_accepted [B], next_token [B]) on the device: the greedy rule over the whole batch, then each
-        sampled row again alone with its own random stream and settings."""
+        sampled row again alone with its own settings, drawing by its seed at its pending token's position."""
         greedy = self.ops.accept_greedy(draft.tokens, draft.lengths, logits)
-        sampled = [b for b in active if self.rows[b].sampled is not None]
+        sampled = [b for b in active if self.rows[b].seeds is not None]
         if not sampled:
             return greedy
         parts = [(greedy[0][b : b + 1], greedy[1][b : b + 1]) for b in range(len(self.rows))]
         for b in sampled:
             row = self.rows[b]
+            position = self._on_device(np.array([len(row.context) - 1]))
             parts[b] = self.ops.accept_sampled(draft.tokens[b : b + 1], draft.lengths[b : b + 1], None,
-                                               logits[b : b + 1], row.sampling, row.sampled.next())
+                                               logits[b : b + 1], row.sampling, row.seeds, position)
         join = self.ops.xp.concatenate
         return join([p[0] for p in parts]), join([p[1] for p in parts])
 

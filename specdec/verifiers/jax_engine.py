@@ -15,8 +15,8 @@
   real token. `JaxFusedCycle` prefills inside its cycle program (`decode_step`'s prefill cycles), so a run
   compiles one program holding the forward, not two: XLA spends seconds on each copy of the forward.
 - `generate_fused` runs the whole decode in one `lax.while_loop` dispatch. Its body, `decode_step`, is one
-  draft -> verify -> accept -> commit cycle, greedy or sampled (lossless rejection sampling, the PRNG key in
-  the loop's state); with no drafter it is plain decoding (k = 0). A device-side drafter plugs in as
+  draft -> verify -> accept -> commit cycle, greedy or sampled (lossless rejection sampling, each row's draws keyed by
+  its seed, in the loop's state, and its position); with no drafter it is plain decoding (k = 0). A device-side drafter plugs in as
   `draft_fn(tokens, context_len) -> [B, k]` tokens and the loop stays on the device. `JaxFusedCycle` runs
   a few `decode_step`s per compiled call for the host loop (specdec.generate.run_cycles), as torch's
   FusedCycle runs one per graph replay.
@@ -45,7 +45,7 @@ from specdec.models.checkpoint import load_checkpoint
 from specdec.models.jax_gemma import (Cache, Params, default_dtype, forward, init_cache, load_params, pack_projections,
                                       reset_cache, to_device)
 from specdec.protocol import VerifyOutput
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, seed_words
 
 TP_AXIS = "tp"
 
@@ -119,7 +119,7 @@ class DecodeState(NamedTuple):
     cycles: jax.Array  # [B] verify cycles run while not done (tau = generated / cycles)
     prefill_end: jax.Array  # [B] the committed length where a row's prompt ends (its length - 1)
     prefill_cycles: jax.Array  # [] prefill cycles left: they commit every row's prompt up to prefill_end
-    key: jax.Array  # PRNG key of a sampled decode, split once per cycle (greedy decoding leaves it)
+    seeds: jax.Array  # [B, 2] uint32: each row's seed (specdec.sampling.seed_words), which a sampled decode draws by
     drafter: dict  # a stateful device drafter's state (EAGLE-3: its KV cache, rows to catch up on); {} if none
 
 
@@ -323,11 +323,11 @@ class JaxEngine:
         accept (greedy: the longest argmax-matching prefix and the target's next token; sampled: lossless
         rejection sampling against the drafter's probabilities, a point mass for a deterministic drafter),
         commit and emit them. Rows already done emit nothing. `sampling` is static; its seed is not read
-        here (it seeded state.key)."""
+        here (state.seeds holds each row's)."""
         B = state.length.shape[0]
         rows = jnp.arange(B)[:, None]
         pending = state.tokens[rows, state.length[:, None]]
-        key, draft_probs, drafter_state = state.key, None, state.drafter
+        draft_probs, drafter_state = None, state.drafter
         if draft_fn is None:
             draft, draft_len = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
         elif _stateful(draft_fn):  # its random key is in its state: the acceptance stream is the host loop's
@@ -349,11 +349,9 @@ class JaxEngine:
         logits, hidden, cache = self._forward(params, state.cache, tokens, state.length)
         if sampling.greedy:
             num_accepted, next_token = accept_greedy(draft, draft_len, logits[:, : k + 1])
-        else:
-            key, cycle_key = jax.random.split(key)
+        else:  # each row at its pending token's position
             num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits[:, : k + 1], sampling,
-                                                      cycle_key)
-            key = jnp.where(prefilling, state.key, key)  # a prefill cycle draws nothing
+                                                      state.seeds, state.length)
         next_token = next_token.astype(jnp.int32)
         # Accepted drafts, then the target's token; entries past it are overwritten by the next cycle. A
         # prefill cycle writes nothing (its index is past the buffer's end, where the scatter drops it).
@@ -376,7 +374,7 @@ class JaxEngine:
             cycles=state.cycles + (~state.done & ~prefilling).astype(jnp.int32),
             prefill_end=state.prefill_end,
             prefill_cycles=jnp.maximum(state.prefill_cycles - 1, 0),
-            key=key,
+            seeds=state.seeds,
             drafter=drafter_state,
         )
         return state, StepResult(num_accepted, next_token, draft, draft_len, prefilling)
@@ -414,7 +412,7 @@ class JaxEngine:
 
     def _decode_fn(self, kind, fn, draft_fn: DraftFn | None, sampling: SamplingParams):
         """fn jitted (the state donated) once per kind, drafter settings and sampling filters; the seed only
-        seeds the state's key, so requests of other seeds reuse the compiled program."""
+        is in the state, so requests of other seeds reuse the compiled program."""
         key = (kind, _draft_fn_key(draft_fn), dataclasses.replace(sampling, seed=None))
         if key not in self._decode_fns:
             self._decode_fns[key] = jax.jit(fn, donate_argnums=1)
@@ -541,7 +539,7 @@ class JaxEngine:
     def _start_decode(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
                       done: bool = False, draft_fn: DraftFn | None = None) -> DecodeState:
         """Prefill one prompt per row and build the decode state: the prompts in the token buffer, the
-        PRNG key seeded from the request (seed None: 0), a stateful drafter's state started from the prompts."""
+        rows' seeds (specdec.sampling.SamplingParams.row_seeds), a stateful drafter's state started from the prompts."""
         self.prefill(prompts)
         drafter = draft_fn.begin(self.params, prompts, self.prefill_hidden) if _stateful(draft_fn) else {}
         return self._decode_state(prompts, sampling, done, drafter)
@@ -571,9 +569,9 @@ class JaxEngine:
             cycles=np.zeros(self.batch, np.int32),
             prefill_end=np.asarray([len(p) - 1 for p in prompts], np.int32),
             prefill_cycles=np.int32(0 if prefilled else self.prefill_cycles(prompts)),
+            seeds=seed_words(sampling.row_seeds(self.batch)).astype(np.uint32),
         ))
-        return DecodeState(cache=self.cache if cache is None else cache, length=self.lengths,
-                           key=jax.random.PRNGKey(sampling.seed or 0), drafter=drafter, **host)
+        return DecodeState(cache=self.cache if cache is None else cache, length=self.lengths, drafter=drafter, **host)
 
     def decode_fused(self, state: DecodeState, max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None,
                      sampling: SamplingParams = SamplingParams()):
@@ -619,9 +617,9 @@ class JaxFusedCycle:
     done (as the while_loop does), so cycles run past a row's end write nothing beyond its context; stop
     strings and the exact cut stay on the host. `draft_fn` proposes k tokens (a device drafter's function,
     specdec.protocol.DeviceDrafter); with k = 0 nothing is drafted (draft_fn may be None) and each cycle is
-    one plain decode step. Sampled decoding draws from a PRNG key seeded from `sampling.seed` (0 if None) at
-    each `start`. The compiled program is the engine's, shared by every cycle of equal drafter settings,
-    sampling filters and cycles per call.
+    one plain decode step. Sampled decoding draws keyed by each row's seed (sampling.seed + row) and
+    position (specdec.acceptance). The compiled program is the engine's, shared by every cycle of equal
+    drafter settings, sampling filters and cycles per call.
 
     `prefetch` (default: on an accelerator; torch's FusedCycle has the same): `step` dispatches the next call
     before it reads this one's results, so the device runs cycles while the host streams the last call's tokens.
@@ -679,8 +677,6 @@ class JaxFusedCycle:
         self._compiling = [pool.submit(program.compile) for program in lowered]
         pool.shutdown(wait=False)
         engine.start_transfer()
-        # The PRNG key's two small programs compile now, beside these, rather than after them in start.
-        jax.random.PRNGKey(self.sampling.seed or 0)
 
     def wait_compiled(self) -> None:
         """Wait for compile_ahead's compilations, raising what they raised."""

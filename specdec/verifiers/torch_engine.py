@@ -22,17 +22,18 @@ same tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
-from specdec.acceptance.torch_rule import accept_greedy, accept_sampled
+from specdec.acceptance.torch_rule import RowSampling, accept_greedy, accept_sampled
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, check_context
 from specdec.models.config import SLIDING, decode_width
 from specdec.models.torch_gemma import SPLIT_MAX_ROWS, GemmaModel, KVCache
 from specdec.protocol import VerifyOutput
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, seed_words
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds activation memory)
 
@@ -330,9 +331,11 @@ class FusedCycle:
     verify's hidden states, on static buffers captured with the cycle); with k = 0 nothing is drafted
     (draft_fn may be None) and each cycle is one plain decode step. Greedy sampling keeps the
     argmax-matching prefix. Otherwise lossless rejection sampling against the drafter's probabilities (a
-    point mass for a deterministic drafter), drawing from the cycle's own generator: `start` seeds it from
-    `sampling.seed` (0 if None), so a seeded request draws the same numbers whatever ran before it, graphed
-    or eager.
+    point mass for a deterministic drafter). Each row has its own settings and seed (`start` gives every row
+    `sampling`, row b the seed sampling.seed + b; `admit` a request's own), and draws keyed by its seed and
+    position (specdec.acceptance): a seeded request draws the same numbers whatever ran before it or beside it,
+    graphed or eager. A cycle whose live rows are all greedy runs the greedy rule alone; otherwise one
+    capture per set of filters the sampled rows use, each row warped by its own settings.
 
     `prefetch` (default: where there are graphs to replay): `step` launches the next cycle before it reads this
     one's results, so the device runs a cycle while the host streams the last one's tokens (nothing the host
@@ -350,15 +353,19 @@ class FusedCycle:
         self.drafter = draft_fn if k > 0 and hasattr(draft_fn, "observe") else None
         # With the engine's forward compiled, so are the cycle's other pieces (a stateful drafter compiles
         # its own step); greedy acceptance is an argmax either way (lowest id on ties), so compiling it
-        # changes no token. Sampled acceptance stays eager: it draws from the cycle's generator.
+        # changes no token. Sampled acceptance stays eager, as in the host loop: fused floats would round
+        # differently from it.
         self._accept_greedy = compiled(accept_greedy) if engine.compiles else accept_greedy
         if engine.compiles and k > 0 and self.drafter is None:
             self.draft_fn = compiled(draft_fn)
         self.buffer = torch.zeros(engine.batch, engine.max_seq_len + k + 1, dtype=torch.long, device=engine.device)
         self.context_len = torch.zeros(engine.batch, dtype=torch.long, device=engine.device)  # pending included
         self.limit = torch.zeros_like(self.context_len)  # a row advances while context_len < limit
-        self.generator = None if sampling.greedy else torch.Generator(device=engine.device)
-        self._graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        self.rows = [SamplingParams()] * engine.batch  # each row's settings, for the host to pick the rule
+        self.row_sampling = RowSampling.of(self.rows, engine.device)  # the same on the device
+        self.seeds = torch.zeros(engine.batch, 2, dtype=torch.long, device=engine.device)
+        self._graphs: dict = {}  # per rule (None: greedy; else the filters): (graph, packed results)
+        self._pool = None  # the graphs' shared memory: one replays at a time, its results copied out at once
         self.prefetch = engine.use_graphs if prefetch is None else prefetch
         self._in_flight: tuple | None = None  # (event, results) of a launched cycle that step has not read
         self._launches = 0
@@ -380,21 +387,28 @@ class FusedCycle:
         self.context_len.copy_(torch.tensor([len(p) for p in prompts], device=self.buffer.device))
         budget = stop.max_new_tokens if stop is not None else self.verifier.max_seq_len
         self.limit.copy_(self.context_len + budget)
-        if self.generator is not None:
-            self.generator.manual_seed(self.sampling.seed or 0)
+        for b, seed in enumerate(self.sampling.row_seeds(len(prompts))):
+            self._set_sampling(b, self.sampling, seed)
         if self.drafter is not None:
             self.drafter.begin(prompts, self.verifier.prefill_hidden)
 
-    def admit(self, row: int, prompt: list[int], max_new_tokens: int) -> None:
-        """Start a request in one row while the other rows keep theirs (continuous batching): prefill it alone
-        and load its prompt into the row's token buffer. Greedy, stateless drafters only: a stateful drafter or
-        the sampler's one generator would tie the row's draws to the rows beside it."""
-        if self.drafter is not None or self.generator is not None:
-            raise SpecdecError("rows are admitted one by one only into greedy cycles with a stateless drafter")
+    def admit(self, row: int, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams()) -> None:
+        """Start a request in one row while the other rows keep theirs (continuous batching): prefill it alone,
+        load its prompt into the row's token buffer, set its sampling settings and seed (None: 0). Stateless
+        drafters only: a stateful drafter's state spans the batch."""
+        if self.drafter is not None:
+            raise SpecdecError("rows are admitted one by one only into cycles with a stateless drafter")
         self._refuse_in_flight("admitted")
         self.verifier.prefill_row(row, prompt)
         self.load_row(row, prompt)
         self.limit[row] = len(prompt) + max_new_tokens  # it advances while its context is shorter
+        self._set_sampling(row, sampling, sampling.seed or 0)
+
+    def _set_sampling(self, row: int, sampling: SamplingParams, seed: int) -> None:
+        self.rows[row] = sampling
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            getattr(self.row_sampling, name)[row] = getattr(sampling, name)
+        self.seeds[row] = torch.from_numpy(seed_words([seed])[0])
 
     def load_row(self, row: int, context: list[int]) -> None:
         """Set one row's tokens (prompt + emitted, the last one pending), whose keys and values but the last are in
@@ -408,6 +422,7 @@ class FusedCycle:
         A cycle in flight may still advance it once; its results for the row are the caller's to ignore."""
         self.limit[row] = 0
         self.context_len[row].clamp_(min=1)  # the pending token is read at context_len - 1
+        self.rows[row] = SamplingParams()  # a retired row's draws are never read: it needs no sampled rule
 
     def _draft(self):
         """-> (draft [B, k], draft_len [B], draft probabilities [B, k, V] or None for a point mass)."""
@@ -417,18 +432,24 @@ class FusedCycle:
             return self.drafter.draft()
         return *self.draft_fn(self.buffer, self.context_len), None
 
-    def _cycle(self):
+    def _rule(self) -> frozenset[str] | None:
+        """The acceptance the rows need: None (all greedy), else the filters any sampled row uses."""
+        sampled = [r for r in self.rows if not r.greedy]
+        return frozenset().union(*(r.filters for r in sampled)) if sampled else None
+
+    def _cycle(self, rule: frozenset[str] | None):
         engine, k = self.verifier, self.k
         live = self.context_len < self.limit
         draft, draft_len, draft_probs = self._draft()
         pending = self.buffer.gather(1, (self.context_len - 1)[:, None])
         out = engine._forward(engine.pad(torch.cat([pending, draft], dim=1)))
         logits = out.logits[:, : k + 1]
-        if self.sampling.greedy:
+        if rule is None:
             num_accepted, next_token = self._accept_greedy(draft, draft_len, logits)
-        else:
-            num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits, self.sampling,
-                                                      self.generator)
+        else:  # each row at its pending token's position, which engine.lengths holds
+            params = dataclasses.replace(self.row_sampling, filters=rule)
+            num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits, params, self.seeds,
+                                                      engine.lengths)
         # Emitted tokens: the accepted drafts, then the target's token; slots past it get junk that
         # the next cycle overwrites (they lie beyond the new context length).
         j = torch.arange(k + 1, device=draft.device)[None]
@@ -451,17 +472,17 @@ class FusedCycle:
             raise SpecdecError(f"a row is {what} while a cycle is in flight, which ran over the rows as they were: "
                                "collect it first")
 
-    def _capture(self) -> None:
+    def _capture(self, rule: frozenset[str] | None) -> None:
         """Warm up and capture on a side stream, putting back the state each cycle advanced. Every one of
         them must start from the committed state: their cache writes then lie within one forward width past
         the committed length, rolled back like rejected drafts. Cycles chained from one another would write
-        further and overwrite ring slots that the window still needs. The generator is put back too, so the
-        first replay draws what an eager first cycle would; registered with the graph, it gives each replay
-        fresh numbers (its offset advances by the graph's draws, as eager cycles advance it)."""
+        further and overwrite ring slots that the window still needs. A sampled drafter's generator is put
+        back too, so the first replay draws what an eager first cycle would; registered with the graph, it
+        gives each replay fresh numbers (its offset advances by the graph's draws, as eager cycles advance it)."""
         engine = self.verifier
         state = [self.buffer, self.context_len, engine.lengths] + (self.drafter.state() if self.drafter else [])
         saved = [t.clone() for t in state]
-        generators = [g for g in (self.generator, self.drafter and self.drafter.generator) if g is not None]
+        generators = [self.drafter.generator] if self.drafter is not None and self.drafter.generator is not None else []
         saved_rng = [g.get_state() for g in generators]
 
         def restore():
@@ -474,27 +495,29 @@ class FusedCycle:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):
-                self._cycle()
+                self._cycle(rule)
                 restore()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         for g in generators:
             graph.register_generator_state(g)
-        with torch.inference_mode(), torch.cuda.graph(graph):
-            outputs = self._cycle()
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            outputs = self._cycle(rule)
         restore()
-        self._graph = (graph, outputs)
+        self._graphs[rule] = (graph, outputs)
 
     def _launch(self) -> tuple:
         """Queue one cycle and the copy of its results to the host -> (event to wait for or None, results)."""
+        rule = self._rule()
         if self.verifier.use_graphs:
-            if self._graph is None:
-                self._capture()
-            graph, packed = self._graph
+            if rule not in self._graphs:
+                self._capture(rule)
+            graph, packed = self._graphs[rule]
             graph.replay()
         else:
             with torch.inference_mode():
-                packed = self._cycle()
+                packed = self._cycle(rule)
         if packed.device.type != "cuda":
             return None, packed.clone()
         if not self._host_results:

@@ -231,9 +231,8 @@ def test_a_row_is_admitted_only_once_the_cycle_in_flight_is_collected(engines):
 
 @pytest.mark.gpu
 def test_cuda_graph_sampled_cycle_reproduces_and_matches_eager(random_checkpoints):
-    """The generator registered with the graph: every replay draws fresh numbers, two captures with one seed
-    emit the same tokens, and the graphed cycle draws exactly what the eager one draws (warm-up and
-    capture leave the generator as they found it)."""
+    """Draws keyed by seed and position: every replay draws fresh numbers, two captures with one seed emit the
+    same tokens, and the graphed cycle draws exactly what the eager one draws."""
     cuda_model = GemmaModel.from_checkpoint(random_checkpoints[VARIANT], dtype=torch.bfloat16, device="cuda",
                                             max_seq_len=1024)
 
