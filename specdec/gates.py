@@ -295,10 +295,12 @@ def framework_rules(framework: str) -> tuple[AcceptRule, WarpRule]:
 
         def accept(draft_tokens, draft_len, draft_probs, target_logits, params, seed):
             seeds, positions = _row_keys(len(draft_tokens), seed)
+            uniform = torch_rule.keyed_uniform(torch.from_numpy(seeds), torch.from_numpy(positions),
+                                               draft_tokens.shape[1] + 1)
             outputs = torch_rule.accept_sampled(
                 torch.from_numpy(draft_tokens), torch.from_numpy(draft_len),
                 None if draft_probs is None else torch.from_numpy(draft_probs),
-                torch.from_numpy(target_logits), params, torch.from_numpy(seeds), torch.from_numpy(positions),
+                torch.from_numpy(target_logits), params, uniform,
             )
             return tuple(x.numpy() for x in outputs)
 
@@ -312,12 +314,13 @@ def framework_rules(framework: str) -> tuple[AcceptRule, WarpRule]:
         from specdec.acceptance import jax_rule
 
         accept_jit = jax.jit(jax_rule.accept_sampled, static_argnames="params")
+        keyed_jit = jax.jit(jax_rule.keyed_uniform, static_argnums=2)
         warp_jit = jax.jit(jax_rule.warp_probs, static_argnames="params")
 
         def accept(draft_tokens, draft_len, draft_probs, target_logits, params, seed):
             seeds, positions = _row_keys(len(draft_tokens), seed)
-            outputs = accept_jit(draft_tokens, draft_len, draft_probs, target_logits, params=params,
-                                 seeds=seeds.astype(np.uint32), positions=positions)
+            uniform = keyed_jit(seeds.astype(np.uint32), positions, draft_tokens.shape[1] + 1)
+            outputs = accept_jit(draft_tokens, draft_len, draft_probs, target_logits, params=params, uniform=uniform)
             return tuple(np.asarray(x) for x in outputs)
 
         def warp(logits, params):

@@ -143,6 +143,7 @@ class _Ops:
             # Compiled once per shape: the rules run every cycle.
             self.accept_greedy = jax.jit(rule.accept_greedy)
             self.accept_sampled = jax.jit(rule.accept_sampled, static_argnames="params")
+            self.keyed_uniform = jax.jit(rule.keyed_uniform, static_argnums=2)
         else:
             import torch
 
@@ -150,6 +151,7 @@ class _Ops:
 
             self.xp = torch
             self.accept_greedy, self.accept_sampled = rule.accept_greedy, rule.accept_sampled
+            self.keyed_uniform = rule.keyed_uniform
             self.device = verifier.device
 
     def on_device(self, draft: Draft) -> Draft:
@@ -171,7 +173,8 @@ class _Ops:
         """The batch's acceptance; sampled, row b draws with seeds[b] at positions[b] (specdec.acceptance)."""
         if self.sampling.greedy:
             return self.accept_greedy(draft.tokens, draft.lengths, logits)
-        return self.accept_sampled(draft.tokens, draft.lengths, draft.probs, logits, self.sampling, seeds, positions)
+        uniform = self.keyed_uniform(seeds, positions, draft.tokens.shape[1] + 1)
+        return self.accept_sampled(draft.tokens, draft.lengths, draft.probs, logits, self.sampling, uniform)
 
     def seeds(self, seeds: list[int]):
         """Seeds as the rule's keys on the device (specdec.sampling.seed_words)."""

@@ -252,13 +252,26 @@ def test_a_rows_draws_do_not_depend_on_the_rows_beside_it(rules):
         assert (together[0][b], together[1][b]) == (alone[0][0], alone[1][0])
 
 
-def test_inverse_cdf_never_draws_a_token_without_weight():
-    """A uniform just below 1 times the total may round up to it: the draw stops at the last token with weight."""
-    weights = torch.tensor([[0.3, 0.0, 0.7, 0.0, 0.0], [1e-30, 1.0, 0.0, 1e-30, 0.0]])
-    for u in (0.0, 0.5, 1 - 2.0**-24):
-        tokens = torch_rule._inverse_cdf(weights, torch.full((2,), u))
-        assert (weights.gather(1, tokens[:, None]) > 0).all()
-    assert torch_rule._inverse_cdf(weights, torch.zeros(2)).tolist() == [0, 0]
+@pytest.mark.parametrize("vocab", [5, 3000])  # one block of the torch scan, and three (the last one padded)
+def test_inverse_cdf_draws_by_cumulative_weight_and_never_a_token_without_weight(vocab):
+    """Tokens without weight are never drawn, even where a uniform just below 1 times the total rounds up to it
+    or a tiny weight leaves the sum as it was; elsewhere the token is the first whose cumulative weight reaches
+    uniform * total, in both frameworks."""
+    rng = np.random.default_rng(13)
+    weights = rng.random((4, vocab)).astype(np.float32) * (rng.random((4, vocab)) < 0.5)
+    weights[1, :] = 0
+    weights[1, [1, vocab // 2, vocab - 2]] = [1e-30, 1.0, 1e-30]  # the last weighted token adds nothing to the sum
+    cumulative = np.cumsum(weights.astype(np.float64), axis=-1)
+    jax_draw = jax.jit(jax_rule._inverse_cdf)
+    for u in (0.0, 0.25, 0.5, 0.75, 1 - 2.0**-24):
+        uniform = np.full(4, u, np.float32)
+        for tokens in (torch_rule._inverse_cdf(torch.from_numpy(weights), torch.from_numpy(uniform)).numpy(),
+                       np.asarray(jax_draw(weights, uniform))):
+            assert (weights[np.arange(4), tokens] > 0).all(), (u, tokens)
+            if 0 < u < 0.9:  # away from rounding: the exact inverse CDF
+                want = (cumulative < u * cumulative[:, -1:]).sum(-1)
+                want = [next(i for i in range(w, vocab) if weights[r, i] > 0) for r, w in enumerate(want)]
+                np.testing.assert_array_equal(tokens, want)
 
 
 def test_per_row_settings_give_each_row_what_its_own_settings_give():
@@ -272,12 +285,12 @@ def test_per_row_settings_give_each_row_what_its_own_settings_give():
     draft_len = torch.full((batch,), k)
     per_row = torch_rule.RowSampling.of(rows)
     warped = torch_rule.warp_probs(logits, per_row)
-    seeds, positions = torch.from_numpy(seed_words(list(range(batch)))), torch.arange(batch)
-    accepted = torch_rule.accept_sampled(draft_tokens, draft_len, None, logits, per_row, seeds, positions)
+    uniform = torch_rule.keyed_uniform(torch.from_numpy(seed_words(list(range(batch)))), torch.arange(batch), k + 1)
+    accepted = torch_rule.accept_sampled(draft_tokens, draft_len, None, logits, per_row, uniform)
     for b, params in enumerate(rows):
         assert torch.equal(warped[b], torch_rule.warp_probs(logits[b], params))
         alone = torch_rule.accept_sampled(draft_tokens[b : b + 1], draft_len[b : b + 1], None, logits[b : b + 1],
-                                          params, seeds[b : b + 1], positions[b : b + 1])
+                                          params, uniform[b : b + 1])
         assert (accepted[0][b], accepted[1][b]) == (alone[0][0], alone[1][0])
 
 
@@ -323,8 +336,8 @@ def test_torch_rules_replay_in_a_cuda_graph():
 
     def run_rules():
         greedy = torch_rule.accept_greedy(draft_tokens, draft_len, target_logits)
-        sampled = torch_rule.accept_sampled(draft_tokens, draft_len, draft_probs, target_logits,
-                                            params, seeds, positions)
+        uniform = torch_rule.keyed_uniform(seeds, positions, k + 1)
+        sampled = torch_rule.accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, uniform)
         return greedy, sampled
 
     side_stream = torch.cuda.Stream()  # warm up off the capture stream, as capture requires

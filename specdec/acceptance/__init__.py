@@ -28,7 +28,7 @@ accept_greedy(draft_tokens, draft_len, target_logits) -> (num_accepted [B], next
     torch.argmax and jnp.argmax both return the first maximal index. With K = 0 this is plain
     greedy decoding.
 
-accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, seeds, positions)
+accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, uniform)
         -> (num_accepted [B], next_token [B])
     Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023) with
     p = warp_probs(target_logits, params). draft_probs [B, K, V] is q, the exact distribution each
@@ -39,13 +39,13 @@ accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, seed
     that residual has no mass (p == q) it is drawn from p. If all draft_len drafts are accepted,
     the bonus is drawn from p at row draft_len. Every emitted token is then distributed exactly
     as the target alone would sample it. With greedy params it returns what accept_greedy does.
-    The next token is drawn by inverse CDF: the first token whose cumulative weight exceeds u_K
-    times the total weight (never past the last token with weight).
-    The draws are keyed, not streamed: row b's u_0 .. u_K = keyed_uniform(seeds[b], positions[b],
-    K + 1), where seeds [B, 2] are the row's seed as two 32-bit words (specdec.sampling.seed_words)
-    and positions [B] its pending token's position. A row's draws thus depend on its seed and its
-    position alone: not on the rows beside it, on what ran before, or on which loop (host or fused,
-    either framework) runs the cycle.
+    The next token is drawn by inverse CDF: the first token with weight whose cumulative weight
+    reaches u_K times the total weight.
+    The draws are keyed, not streamed: uniform [B, K+1] holds row b's u_0 .. u_K =
+    keyed_uniform(seeds[b], positions[b], K + 1), where seeds [B, 2] are the row's seed as two 32-bit
+    words (specdec.sampling.seed_words) and positions [B] its pending token's position. A row's draws
+    thus depend on its seed and its position alone: not on the rows beside it, on what ran before, or
+    on which loop (host or fused, either framework) runs the cycle.
 
 keyed_uniform(seeds [B, 2], positions [B], n) -> [B, n] float32 in [0, 1)
     Lane j of row b: the PCG4D hash (Jarzynski and Olano, "Hash Functions for GPU Rendering",

@@ -46,19 +46,17 @@ def accept_sampled(
     draft_probs: jax.Array | None,
     target_logits: jax.Array,
     params: SamplingParams,
-    seeds: jax.Array,
-    positions: jax.Array,
+    uniform: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """-> (num_accepted [B], next_token [B]) by lossless rejection sampling.
 
     draft_probs [B, K, V] is the distribution the drafts were sampled from; None for a
-    deterministic drafter (a point mass on each draft token). Row b draws keyed_uniform(seeds[b] [2],
-    positions[b] (its pending token's position), K + 1).
+    deterministic drafter (a point mass on each draft token). uniform [B, K+1]: each row's keyed draws
+    (keyed_uniform of its seed at its pending token's position).
     """
     k = draft_tokens.shape[1]
     vocab = target_logits.shape[-1]
     p = warp_probs(target_logits, params)  # [B, K+1, V]
-    uniform = keyed_uniform(seeds, positions, k + 1)
 
     p_of_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
     if draft_probs is None:
@@ -105,10 +103,9 @@ def keyed_uniform(seeds: jax.Array, positions: jax.Array, n: int) -> jax.Array:
 
 def _inverse_cdf(weights: jax.Array, uniform: jax.Array) -> jax.Array:
     """One token per row [B, V], with probability proportional to weights, from one uniform [B] (torch_rule's)."""
-    cumulative = jnp.cumsum(weights, axis=-1)
-    index = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(axis=-1)
-    last_with_weight = weights.shape[-1] - 1 - jnp.argmax(jnp.flip(weights, axis=-1) > 0, axis=-1)
-    return jnp.minimum(index, last_with_weight)
+    cumulative = jnp.where(weights > 0, jnp.cumsum(weights, axis=-1), -1.0)
+    total = cumulative.max(axis=-1, keepdims=True)
+    return jnp.argmax(cumulative >= uniform[:, None] * total, axis=-1)
 
 
 def _in_draft(draft_tokens: jax.Array, draft_len: jax.Array) -> jax.Array:

@@ -39,10 +39,19 @@ class RowSampling:
 def warp_probs(logits: torch.Tensor, params: SamplingParams | RowSampling) -> torch.Tensor:
     """[..., V] logits -> [..., V] float32 probabilities the request samples from; with RowSampling, row b
     of the leading dimension as its own settings say (bitwise what SamplingParams of those settings give)."""
+    if isinstance(params, SamplingParams) and params.greedy:
+        return _one_hot(logits.argmax(dim=-1), logits.shape[-1])
+    probs, greedy_rows = _sampled_probs(logits, params)
+    if greedy_rows is None:
+        return probs
+    return torch.where(greedy_rows, _one_hot(logits.argmax(dim=-1), logits.shape[-1]), probs)
+
+
+def _sampled_probs(logits: torch.Tensor, params: SamplingParams | RowSampling):
+    """-> (warp_probs of sampled settings, the greedy rows [B, 1, ...] of RowSampling or None); a greedy row's
+    probabilities are those of temperature 1, for the caller to replace."""
     logits = logits.float()
     if isinstance(params, SamplingParams):
-        if params.greedy:
-            return _one_hot(logits.argmax(dim=-1), logits.shape[-1])
         greedy_rows = None
         temperature, top_k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
     else:  # per row, shaped to broadcast over the dimensions after the first
@@ -58,10 +67,7 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams | RowSampling) -> to
         warped = _top_p(warped, top_p)
     if "min_p" in params.filters:
         warped = _min_p(warped, min_p)
-    probs = torch.softmax(warped, dim=-1)
-    if greedy_rows is not None:
-        probs = torch.where(greedy_rows, _one_hot(logits.argmax(dim=-1), logits.shape[-1]), probs)
-    return probs
+    return torch.softmax(warped, dim=-1), greedy_rows
 
 
 def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
@@ -103,19 +109,20 @@ def accept_sampled(
     draft_probs: torch.Tensor | None,
     target_logits: torch.Tensor,
     params: SamplingParams | RowSampling,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
+    uniform: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (num_accepted [B], next_token [B]) by lossless rejection sampling.
 
     draft_probs [B, K, V] is the distribution the drafts were sampled from; None for a
-    deterministic drafter (a point mass on each draft token). Row b draws keyed_uniform(seeds[b] [2],
-    positions[b] (its pending token's position), K + 1).
+    deterministic drafter (a point mass on each draft token). uniform [B, K+1]: each row's keyed draws
+    (keyed_uniform of its seed at its pending token's position). Greedy rows of RowSampling take
+    accept_greedy's tokens.
     """
+    if isinstance(params, SamplingParams) and params.greedy:
+        return accept_greedy(draft_tokens, draft_len, target_logits)
     batch, k = draft_tokens.shape
     vocab = target_logits.shape[-1]
-    p = warp_probs(target_logits, params)  # [B, K+1, V]
-    uniform = keyed_uniform(seeds, positions, k + 1)
+    p, greedy_rows = _sampled_probs(target_logits, params)  # [B, K+1, V]
 
     p_of_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     if draft_probs is None:
@@ -132,17 +139,21 @@ def accept_sampled(
     weights = p_next
     if k > 0:
         rejected_row = num_accepted.clamp(max=k - 1)
-        if draft_probs is None:
-            rejected_token = draft_tokens.gather(1, rejected_row[:, None]).squeeze(1)
-            q_next = _one_hot(rejected_token, vocab)
+        if draft_probs is None:  # max(0, p - point mass at x): p with x zeroed, in one scatter
+            rejected_token = draft_tokens.gather(1, rejected_row[:, None])
+            residual = p_next.scatter(1, rejected_token, 0.0)
         else:
             index = rejected_row[:, None, None].expand(batch, 1, vocab)
-            q_next = draft_probs.gather(1, index).squeeze(1)
-        residual = (p_next - q_next).clamp_min(0)
+            residual = (p_next - draft_probs.gather(1, index).squeeze(1)).clamp_min(0)
         # A residual without mass means p == q there; p is then the right distribution.
         use_residual = (num_accepted < draft_len) & (residual.sum(dim=-1) > 0)
         weights = torch.where(use_residual[:, None], residual, p_next)
-    return num_accepted, _inverse_cdf(weights, uniform[:, k])
+    next_token = _inverse_cdf(weights, uniform[:, k])
+    if greedy_rows is None:
+        return num_accepted, next_token
+    greedy = accept_greedy(draft_tokens, draft_len, target_logits)
+    rows = greedy_rows.view(-1)
+    return torch.where(rows, greedy[0], num_accepted), torch.where(rows, greedy[1], next_token)
 
 
 def _in_draft(draft_tokens: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
@@ -155,14 +166,23 @@ def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return (torch.arange(vocab, device=tokens.device) == tokens[..., None]).float()
 
 
+INVERSE_CDF_BLOCK = 1024  # tokens summed per block: a scan along 262,144 tokens in 16 rows would run in 16 blocks
+
+
 def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One token per row [B, V], with probability proportional to weights, from one uniform [B]: the first
-    token whose cumulative weight exceeds uniform * total, never past the last token with weight (the product
-    may round up to the total)."""
-    cumulative = weights.cumsum(dim=-1)
-    index = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)
-    last_with_weight = weights.shape[-1] - 1 - (weights.flip(-1) > 0).long().argmax(dim=-1)
-    return torch.minimum(index, last_with_weight)
+    """One token per row [B, V], with probability proportional to weights, from one uniform [B] (the shared
+    rule's): the first token with weight whose cumulative weight reaches uniform * total. Tokens without weight
+    are never drawn, however the sums round. The cumulative weight is summed by blocks of INVERSE_CDF_BLOCK
+    tokens, then over the blocks' totals: a scan that runs in parallel."""
+    batch, vocab = weights.shape
+    padded = weights if vocab % INVERSE_CDF_BLOCK == 0 else torch.nn.functional.pad(weights, (0, -vocab % INVERSE_CDF_BLOCK))
+    padded = padded.reshape(batch, -1, INVERSE_CDF_BLOCK)
+    within = padded.cumsum(dim=-1)
+    before = torch.nn.functional.pad(within[..., -1].cumsum(dim=-1)[:, :-1], (1, 0))  # earlier blocks' total
+    cumulative = (within + before[..., None]).view(batch, -1)[:, :vocab]
+    cumulative = torch.where(weights > 0, cumulative, -1.0)
+    total = cumulative.amax(dim=-1, keepdim=True)
+    return (cumulative >= uniform[:, None] * total).to(torch.uint8).argmax(dim=-1)
 
 
 def _sample(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -337,8 +337,9 @@ class Scheduler:
         for b in sampled:
             row = self.rows[b]
             position = self._on_device(np.array([len(row.context) - 1]))
+            uniform = self.ops.keyed_uniform(row.seeds, position, draft.tokens.shape[1] + 1)
             parts[b] = self.ops.accept_sampled(draft.tokens[b : b + 1], draft.lengths[b : b + 1], None,
-                                               logits[b : b + 1], row.sampling, row.seeds, position)
+                                               logits[b : b + 1], row.sampling, uniform)
         join = self.ops.xp.concatenate
         return join([p[0] for p in parts]), join([p[1] for p in parts])
 

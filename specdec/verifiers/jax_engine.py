@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from specdec.acceptance.jax_rule import accept_greedy, accept_sampled
+from specdec.acceptance.jax_rule import accept_greedy, accept_sampled, keyed_uniform
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, StopCondition, check_context
 from specdec.models.config import GemmaConfig, check_tensor_parallel, decode_width, round_up, tp_split_axis
@@ -350,8 +350,9 @@ class JaxEngine:
         if sampling.greedy:
             num_accepted, next_token = accept_greedy(draft, draft_len, logits[:, : k + 1])
         else:  # each row at its pending token's position
+            uniform = keyed_uniform(state.seeds, state.length, k + 1)
             num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits[:, : k + 1], sampling,
-                                                      state.seeds, state.length)
+                                                      uniform)
         next_token = next_token.astype(jnp.int32)
         # Accepted drafts, then the target's token; entries past it are overwritten by the next cycle. A
         # prefill cycle writes nothing (its index is past the buffer's end, where the scatter drops it).

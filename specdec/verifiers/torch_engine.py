@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from specdec.acceptance.torch_rule import RowSampling, accept_greedy, accept_sampled
+from specdec.acceptance.torch_rule import RowSampling, accept_greedy, accept_sampled, keyed_uniform
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, check_context
 from specdec.models.config import SLIDING, decode_width
@@ -334,7 +334,8 @@ class FusedCycle:
     point mass for a deterministic drafter). Each row has its own settings and seed (`start` gives every row
     `sampling`, row b the seed sampling.seed + b; `admit` a request's own), and draws keyed by its seed and
     position (specdec.acceptance): a seeded request draws the same numbers whatever ran before it or beside it,
-    graphed or eager. A cycle whose live rows are all greedy runs the greedy rule alone; otherwise one
+    graphed or eager. A row's draws for every position of the context are hashed when its settings are set, so
+    that a cycle gathers them: the hash is some sixty small kernels, a gather one. A cycle whose live rows are all greedy runs the greedy rule alone; otherwise one
     capture per set of filters the sampled rows use, each row warped by its own settings.
 
     `prefetch` (default: where there are graphs to replay): `step` launches the next cycle before it reads this
@@ -363,7 +364,8 @@ class FusedCycle:
         self.limit = torch.zeros_like(self.context_len)  # a row advances while context_len < limit
         self.rows = [SamplingParams()] * engine.batch  # each row's settings, for the host to pick the rule
         self.row_sampling = RowSampling.of(self.rows, engine.device)  # the same on the device
-        self.seeds = torch.zeros(engine.batch, 2, dtype=torch.long, device=engine.device)
+        # Each row's keyed draws at every position [B, max_seq_len, k + 1], made when a sampled row is set.
+        self.draws = torch.zeros(engine.batch, engine.max_seq_len, k + 1, device=engine.device)
         self._graphs: dict = {}  # per rule (None: greedy; else the filters): (graph, packed results)
         self._pool = None  # the graphs' shared memory: one replays at a time, its results copied out at once
         self.prefetch = engine.use_graphs if prefetch is None else prefetch
@@ -408,7 +410,10 @@ class FusedCycle:
         self.rows[row] = sampling
         for name in ("temperature", "top_k", "top_p", "min_p"):
             getattr(self.row_sampling, name)[row] = getattr(sampling, name)
-        self.seeds[row] = torch.from_numpy(seed_words([seed])[0])
+        if not sampling.greedy:
+            positions = torch.arange(self.verifier.max_seq_len, device=self.draws.device)
+            seeds = torch.from_numpy(seed_words([seed])).to(self.draws.device).expand(len(positions), 2)
+            self.draws[row] = keyed_uniform(seeds, positions, self.k + 1)
 
     def load_row(self, row: int, context: list[int]) -> None:
         """Set one row's tokens (prompt + emitted, the last one pending), whose keys and values but the last are in
@@ -446,10 +451,11 @@ class FusedCycle:
         logits = out.logits[:, : k + 1]
         if rule is None:
             num_accepted, next_token = self._accept_greedy(draft, draft_len, logits)
-        else:  # each row at its pending token's position, which engine.lengths holds
+        else:  # each row's draws at its pending token's position, which engine.lengths holds
             params = dataclasses.replace(self.row_sampling, filters=rule)
-            num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits, params, self.seeds,
-                                                      engine.lengths)
+            rows = torch.arange(engine.batch, device=draft.device)
+            uniform = self.draws[rows, engine.lengths.clamp(max=engine.max_seq_len - 1)]
+            num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits, params, uniform)
         # Emitted tokens: the accepted drafts, then the target's token; slots past it get junk that
         # the next cycle overwrites (they lie beyond the new context length).
         j = torch.arange(k + 1, device=draft.device)[None]
