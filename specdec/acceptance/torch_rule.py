@@ -175,8 +175,8 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     are never drawn, however the sums round. The cumulative weight is summed by blocks of INVERSE_CDF_BLOCK
     tokens, then over the blocks' totals: a scan that runs in parallel."""
     batch, vocab = weights.shape
-    padded = weights if vocab % INVERSE_CDF_BLOCK == 0 else torch.nn.functional.pad(weights, (0, -vocab % INVERSE_CDF_BLOCK))
-    padded = padded.reshape(batch, -1, INVERSE_CDF_BLOCK)
+    pad = -vocab % INVERSE_CDF_BLOCK
+    padded = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).reshape(batch, -1, INVERSE_CDF_BLOCK)
     within = padded.cumsum(dim=-1)
     before = torch.nn.functional.pad(within[..., -1].cumsum(dim=-1)[:, :-1], (1, 0))  # earlier blocks' total
     cumulative = (within + before[..., None]).view(batch, -1)[:, :vocab]

@@ -15,11 +15,11 @@
   real token. `JaxFusedCycle` prefills inside its cycle program (`decode_step`'s prefill cycles), so a run
   compiles one program holding the forward, not two: XLA spends seconds on each copy of the forward.
 - `generate_fused` runs the whole decode in one `lax.while_loop` dispatch. Its body, `decode_step`, is one
-  draft -> verify -> accept -> commit cycle, greedy or sampled (lossless rejection sampling, each row's draws keyed by
-  its seed, in the loop's state, and its position); with no drafter it is plain decoding (k = 0). A device-side drafter plugs in as
-  `draft_fn(tokens, context_len) -> [B, k]` tokens and the loop stays on the device. `JaxFusedCycle` runs
-  a few `decode_step`s per compiled call for the host loop (specdec.generate.run_cycles), as torch's
-  FusedCycle runs one per graph replay.
+  draft -> verify -> accept -> commit cycle, greedy or sampled (lossless rejection sampling, each row's draws
+  keyed by its seed, in the loop's state, and its position); with no drafter it is plain decoding (k = 0). A
+  device-side drafter plugs in as `draft_fn(tokens, context_len) -> [B, k]` tokens and the loop stays on the
+  device. `JaxFusedCycle` runs a few `decode_step`s per compiled call for the host loop
+  (specdec.generate.run_cycles), as torch's FusedCycle runs one per graph replay.
 - With a `mesh`, weights are split over its "tp" axis by attention head and MLP column (o_proj / down_proj
   by row, so XLA reduces after them) and the cache by KV head; XLA inserts the collectives.
 """
@@ -119,7 +119,7 @@ class DecodeState(NamedTuple):
     cycles: jax.Array  # [B] verify cycles run while not done (tau = generated / cycles)
     prefill_end: jax.Array  # [B] the committed length where a row's prompt ends (its length - 1)
     prefill_cycles: jax.Array  # [] prefill cycles left: they commit every row's prompt up to prefill_end
-    seeds: jax.Array  # [B, 2] uint32: each row's seed (specdec.sampling.seed_words), which a sampled decode draws by
+    seeds: jax.Array  # [B, 2] uint32: each row's seed (specdec.sampling.seed_words), keying its sampled draws
     drafter: dict  # a stateful device drafter's state (EAGLE-3: its KV cache, rows to catch up on); {} if none
 
 
@@ -539,8 +539,8 @@ class JaxEngine:
 
     def _start_decode(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
                       done: bool = False, draft_fn: DraftFn | None = None) -> DecodeState:
-        """Prefill one prompt per row and build the decode state: the prompts in the token buffer, the
-        rows' seeds (specdec.sampling.SamplingParams.row_seeds), a stateful drafter's state started from the prompts."""
+        """Prefill one prompt per row and build the decode state: the prompts in the token buffer, the rows'
+        seeds (SamplingParams.row_seeds), a stateful drafter's state started from the prompts."""
         self.prefill(prompts)
         drafter = draft_fn.begin(self.params, prompts, self.prefill_hidden) if _stateful(draft_fn) else {}
         return self._decode_state(prompts, sampling, done, drafter)

@@ -335,8 +335,9 @@ class FusedCycle:
     `sampling`, row b the seed sampling.seed + b; `admit` a request's own), and draws keyed by its seed and
     position (specdec.acceptance): a seeded request draws the same numbers whatever ran before it or beside it,
     graphed or eager. A row's draws for every position of the context are hashed when its settings are set, so
-    that a cycle gathers them: the hash is some sixty small kernels, a gather one. A cycle whose live rows are all greedy runs the greedy rule alone; otherwise one
-    capture per set of filters the sampled rows use, each row warped by its own settings.
+    that a cycle gathers them: the hash is some sixty small kernels, a gather one. A cycle whose live rows are
+    all greedy runs the greedy rule alone; otherwise one capture per set of filters the sampled rows use, each
+    row warped by its own settings.
 
     `prefetch` (default: where there are graphs to replay): `step` launches the next cycle before it reads this
     one's results, so the device runs a cycle while the host streams the last one's tokens (nothing the host
@@ -394,7 +395,8 @@ class FusedCycle:
         if self.drafter is not None:
             self.drafter.begin(prompts, self.verifier.prefill_hidden)
 
-    def admit(self, row: int, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams()) -> None:
+    def admit(self, row: int, prompt: list[int], max_new_tokens: int,
+              sampling: SamplingParams = SamplingParams()) -> None:
         """Start a request in one row while the other rows keep theirs (continuous batching): prefill it alone,
         load its prompt into the row's token buffer, set its sampling settings and seed (None: 0). Stateless
         drafters only: a stateful drafter's state spans the batch."""

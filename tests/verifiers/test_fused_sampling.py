@@ -251,6 +251,59 @@ def test_cuda_graph_sampled_cycle_reproduces_and_matches_eager(random_checkpoint
         assert run(True, k, other_seed)[1] != graphed
 
 
+def rows_coming_and_going(engine) -> tuple[dict[int, list[int]], FusedCycle]:
+    """A server's cycle: a greedy row, then a sampled row admitted beside it, then a top-p one, then the sampled
+    rows retired, three cycles each -> (each row's tokens, the cycle)."""
+    cycle = fused(engine, K, GREEDY, prefetch=False)
+    for b in range(engine.batch):
+        cycle.retire(b)
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    admissions = [(0, GREEDY), (1, SamplingParams(1.0, seed=5)), (2, SamplingParams(0.8, top_p=0.9, seed=6))]
+    live = []
+    for phase in admissions + ["retire the sampled rows"]:
+        if isinstance(phase, str):
+            for b in (1, 2):
+                cycle.retire(b)
+            live = [0]
+        else:
+            row, sampling = phase
+            cycle.admit(row, PROMPTS[row % 2], 200, sampling)
+            live.append(row)
+        for _ in range(3):
+            result = cycle.step()
+            for b in live:
+                tokens[b] += result.emitted(b)
+    return tokens, cycle
+
+
+def test_rows_keep_their_tokens_as_rules_change_beside_them(random_checkpoints):
+    """Each row's tokens are its solo run's, whatever rule the rows beside it need."""
+    model = GemmaModel.from_checkpoint(random_checkpoints[VARIANT], max_seq_len=256)
+    engine = TorchEngine(model, batch=3, max_seq_len=256, k_max=K)
+    tokens, _ = rows_coming_and_going(engine)
+    greedy = fused(engine, K, GREEDY, prefetch=False)
+    for b in range(3):
+        greedy.retire(b)
+    greedy.admit(0, PROMPTS[0], 200)
+    alone = []
+    for _ in range(12):
+        alone += greedy.step().emitted(0)
+    assert tokens[0] == alone
+    assert tokens[1] != tokens[0][: len(tokens[1])]  # sampled
+
+
+@pytest.mark.gpu
+def test_cuda_graph_rules_share_one_pool_and_match_eager(random_checkpoints):
+    """Each rule the rows need is a graph of its own, the three sharing one memory pool: the tokens equal those of
+    the same steps run eagerly."""
+    cuda_model = GemmaModel.from_checkpoint(random_checkpoints[VARIANT], dtype=torch.bfloat16, device="cuda",
+                                            max_seq_len=256)
+    runs = [rows_coming_and_going(TorchEngine(cuda_model, batch=3, max_seq_len=256, k_max=K, cuda_graphs=graphs))
+            for graphs in (False, True)]
+    assert runs[0][0] == runs[1][0]
+    assert set(runs[1][1]._graphs) == {None, frozenset(), frozenset({"top_p"})}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
 def test_sampling_gate_passes_the_cuda_fused_cycle(random_checkpoints, gate_prompt, graphs):
