@@ -96,12 +96,14 @@ class ModelServer:
         return f"http://{self.config.host}:{port}"
 
     def warm_up(self) -> None:
-        """Short generations, greedy and sampled with each set of filters (the torch cycle captures one graph per
-        set), so no request pays for compiling or capturing them."""
+        """Short generations, greedy and sampled, so no request pays for compiling or capturing them: with torch,
+        sampled with each set of filters (its cycle captures one graph per set); JAX compiles its host rule per
+        distinct settings, which no warm-up foresees."""
         prompt = self.tokenizer.encode("Hello")
         filters = {"top_k": 50, "top_p": 0.9, "min_p": 0.05}
         samplings = [SamplingParams()]
-        for used in itertools.product((False, True), repeat=len(filters)):
+        sets = itertools.product((False, True), repeat=len(filters)) if self.config.engine == "torch" else [()]
+        for used in sets:
             chosen = {name: value for (name, value), on in zip(filters.items(), used) if on}
             samplings.append(SamplingParams(temperature=1.0, seed=0, **chosen))
         for sampling in samplings:
