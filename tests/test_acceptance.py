@@ -294,6 +294,36 @@ def test_per_row_settings_give_each_row_what_its_own_settings_give():
         assert (accepted[0][b], accepted[1][b]) == (alone[0][0], alone[1][0])
 
 
+def test_jax_per_row_settings_leave_each_row_as_its_settings_alone_leave_it():
+    """JAX's RowSampling (a server's batch; one program for every mix of settings, each filter run where a row uses
+    it): each row's warp is bitwise what a batch of its settings alone gives it, a greedy row among sampled ones
+    included, and its tokens those of its SamplingParams. The warp is not bitwise SamplingParams' own: there the
+    settings are constants of the program, which XLA may rewrite (a division by a constant temperature)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(12)
+    rows = list(WARP_PARAMS)
+    batch, k, vocab = len(rows), 2, 12
+    logits = jnp.asarray(rng.normal(0, 2, (batch, k + 1, vocab)).astype(np.float32))
+    draft_tokens = jnp.asarray(rng.integers(0, vocab, (batch, k)), jnp.int32)
+    draft_len = jnp.full((batch,), k, jnp.int32)
+    uniform = jax_rule.keyed_uniform(jnp.asarray(seed_words(list(range(batch))), jnp.uint32), jnp.arange(batch), k + 1)
+    warp, accept = jax.jit(jax_rule.warp_probs), jax.jit(jax_rule.accept_sampled)
+    accept_alone = jax.jit(jax_rule.accept_sampled, static_argnames="params")
+
+    def per_row(settings):
+        return jax.device_put(jax_rule.RowSampling.of(settings))
+
+    warped = warp(logits, per_row(rows))
+    accepted = accept(draft_tokens, draft_len, None, logits, per_row(rows), uniform)
+    for b, params in enumerate(rows):
+        np.testing.assert_array_equal(warped[b], warp(logits, per_row([params] * batch))[b])
+        np.testing.assert_allclose(warped[b], jax_rule.warp_probs(logits[b], params), rtol=1e-6, atol=1e-7)
+        alone = accept_alone(draft_tokens, draft_len, None, logits, params=params, uniform=uniform)
+        assert (int(accepted[0][b]), int(accepted[1][b])) == (int(alone[0][b]), int(alone[1][b])), params
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

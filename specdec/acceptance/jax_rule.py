@@ -7,26 +7,72 @@ static (SamplingParams is hashable); K is static through the shapes, so they als
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specdec.acceptance import KEYED_MIX, KEYED_STEP
 from specdec.sampling import SamplingParams
 
 
-def warp_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """[..., V] logits -> [..., V] float32 probabilities the request samples from."""
+class RowSampling(NamedTuple):
+    """Per-row settings of a batch whose rows sample differently (a server's requests), as arrays [B]:
+    temperature (0: a greedy row), top_k (0: off), top_p_rest (1 - top_p as SamplingParams' float gives it;
+    0: off) and min_p (0: off). A filter runs only when some row uses it (a lax.cond, so one program serves
+    every mix of settings), and leaves a row with it off as it is: each row gets bitwise what SamplingParams of
+    its settings give it."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p_rest: jax.Array
+    min_p: jax.Array
+
+    @classmethod
+    def of(cls, rows: list[SamplingParams]) -> "RowSampling":
+        """Host arrays of rows' settings; a greedy row's filters are off (it takes the greedy rule's token)."""
+        def column(value, dtype):
+            return np.asarray([0 if r.greedy else value(r) for r in rows], dtype)
+
+        return cls(column(lambda r: r.temperature, np.float32), column(lambda r: r.top_k, np.int32),
+                   column(lambda r: 1 - r.top_p, np.float32), column(lambda r: r.min_p, np.float32))
+
+
+def warp_probs(logits: jax.Array, params: SamplingParams | RowSampling) -> jax.Array:
+    """[..., V] logits -> [..., V] float32 probabilities the request samples from; with RowSampling, row b of
+    the leading dimension as its own settings say."""
     logits = logits.astype(jnp.float32)
+    if isinstance(params, RowSampling):
+        greedy_rows = _per_row(params.temperature == 0, logits)
+        return jnp.where(greedy_rows, _one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1]), _row_probs(logits, params))
     if params.greedy:
         return _one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1])
     logits = logits / params.temperature
     if params.top_k > 0:
         logits = _top_k(logits, params.top_k)
     if params.top_p < 1:
-        logits = _top_p(logits, params.top_p)
+        logits = _top_p(logits, 1 - params.top_p)
     if params.min_p > 0:
         logits = _min_p(logits, params.min_p)
     return jax.nn.softmax(logits, axis=-1)
+
+
+def _row_probs(logits: jax.Array, params: RowSampling) -> jax.Array:
+    """warp_probs of each row's sampled settings; a greedy row's are those of temperature 1."""
+    temperature = _per_row(params.temperature, logits)
+    logits = logits / jnp.where(temperature == 0, 1.0, temperature)
+    top_k, rest, min_p = (_per_row(a, logits) for a in (params.top_k, params.top_p_rest, params.min_p))
+    for used, apply in ((params.top_k > 0, lambda x: _top_k_rows(x, top_k)),
+                        (params.top_p_rest > 0, lambda x: _top_p(x, rest, rest > 0)),
+                        (params.min_p > 0, lambda x: _min_p(x, min_p))):
+        logits = jax.lax.cond(used.any(), apply, lambda x: x, logits)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def _per_row(values: jax.Array, like: jax.Array) -> jax.Array:
+    """[B] -> [B, 1, ...], broadcasting over `like`'s dimensions after the first."""
+    return values.reshape((-1,) + (1,) * (like.ndim - 1))
 
 
 def accept_greedy(
@@ -45,18 +91,20 @@ def accept_sampled(
     draft_len: jax.Array,
     draft_probs: jax.Array | None,
     target_logits: jax.Array,
-    params: SamplingParams,
+    params: SamplingParams | RowSampling,
     uniform: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """-> (num_accepted [B], next_token [B]) by lossless rejection sampling.
 
     draft_probs [B, K, V] is the distribution the drafts were sampled from; None for a
     deterministic drafter (a point mass on each draft token). uniform [B, K+1]: each row's keyed draws
-    (keyed_uniform of its seed at its pending token's position).
+    (keyed_uniform of its seed at its pending token's position). Greedy rows of RowSampling take
+    accept_greedy's tokens.
     """
     k = draft_tokens.shape[1]
     vocab = target_logits.shape[-1]
-    p = warp_probs(target_logits, params)  # [B, K+1, V]
+    rows = isinstance(params, RowSampling)
+    p = _row_probs(target_logits.astype(jnp.float32), params) if rows else warp_probs(target_logits, params)
 
     p_of_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
     if draft_probs is None:
@@ -82,7 +130,12 @@ def accept_sampled(
         # A residual without mass means p == q there; p is then the right distribution.
         use_residual = (num_accepted < draft_len) & (residual.sum(axis=-1) > 0)
         weights = jnp.where(use_residual[:, None], residual, p_next)
-    return num_accepted, _inverse_cdf(weights, uniform[:, k])
+    next_token = _inverse_cdf(weights, uniform[:, k])
+    if not rows:
+        return num_accepted, next_token
+    greedy_rows = params.temperature == 0
+    greedy = accept_greedy(draft_tokens, draft_len, target_logits)
+    return jnp.where(greedy_rows, greedy[0], num_accepted), jnp.where(greedy_rows, greedy[1], next_token)
 
 
 def keyed_uniform(seeds: jax.Array, positions: jax.Array, n: int) -> jax.Array:
@@ -121,20 +174,31 @@ def _top_k(logits: jax.Array, top_k: int) -> jax.Array:
     return jnp.where(logits < kth_largest, -jnp.inf, logits)
 
 
-def _top_p(logits: jax.Array, top_p: float) -> jax.Array:
+def _top_k_rows(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+    """_top_k with k per row (0: off), broadcast over logits: a whole sort, the same k-th value."""
+    vocab = logits.shape[-1]
+    kth = jnp.minimum(jnp.where(top_k > 0, top_k, vocab), vocab) - 1
+    kth_largest = jnp.take_along_axis(jnp.sort(logits, axis=-1, descending=True), jnp.broadcast_to(kth, logits.shape[:-1] + (1,)),
+                                      axis=-1)
+    return jnp.where(logits < kth_largest, -jnp.inf, logits)
+
+
+def _top_p(logits: jax.Array, rest, used=True) -> jax.Array:
+    """Keep the most likely tokens whose probabilities sum past top_p: drop those summing to at most
+    rest = 1 - top_p from the least likely up. `used` (per row): rows where the filter is on."""
     # Descending stable sort puts lower ids first among equal logits; flipped, it is HF's ascending
     # order with higher ids lower.
     order = jnp.argsort(logits, axis=-1, descending=True, stable=True)
     sorted_asc = jnp.flip(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
     cumulative_asc = jnp.cumsum(jax.nn.softmax(sorted_asc, axis=-1), axis=-1)
-    remove_asc = (cumulative_asc <= 1 - top_p).at[..., -1].set(False)  # the most likely stays
+    remove_asc = (cumulative_asc <= rest).at[..., -1].set(False)  # the most likely stays
     remove = jnp.put_along_axis(
         jnp.zeros_like(remove_asc), order, jnp.flip(remove_asc, axis=-1), axis=-1, inplace=False
     )
-    return jnp.where(remove, -jnp.inf, logits)
+    return jnp.where(remove & used, -jnp.inf, logits)
 
 
-def _min_p(logits: jax.Array, min_p: float) -> jax.Array:
+def _min_p(logits: jax.Array, min_p) -> jax.Array:
     probs = jax.nn.softmax(logits, axis=-1)
     threshold = min_p * probs.max(axis=-1, keepdims=True)
     # min_p < 1, so the most likely token is never below the threshold.

@@ -96,14 +96,13 @@ class ModelServer:
         return f"http://{self.config.host}:{port}"
 
     def warm_up(self) -> None:
-        """Short generations, greedy and sampled, so no request pays for compiling or capturing them: with torch,
-        sampled with each set of filters (its cycle captures one graph per set); JAX compiles its host rule per
-        distinct settings, which no warm-up foresees."""
+        """Short generations, greedy and sampled with each set of filters, so no request pays for compiling or
+        capturing them: torch's cycle captures one graph per set; JAX compiles a greedy program and one for every
+        mix of settings, whose filters run where a row uses them."""
         prompt = self.tokenizer.encode("Hello")
         filters = {"top_k": 50, "top_p": 0.9, "min_p": 0.05}
         samplings = [SamplingParams()]
-        sets = itertools.product((False, True), repeat=len(filters)) if self.config.engine == "torch" else [()]
-        for used in sets:
+        for used in itertools.product((False, True), repeat=len(filters)):
             chosen = {name: value for (name, value), on in zip(filters.items(), used) if on}
             samplings.append(SamplingParams(temperature=1.0, seed=0, **chosen))
         for sampling in samplings:

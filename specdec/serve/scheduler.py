@@ -8,15 +8,13 @@ Each iteration of the loop:
   3. hands each request its new tokens (its stop condition applied); the accepted tokens + 1 of the rows
      that go on are committed, free and finished rows ride along and commit nothing.
 
-Two ways to run step 2. The torch engine runs it as one `FusedCycle` over the whole batch: drafting over a
-device token buffer, verify, acceptance and commit are one CUDA graph replay and one read of the results, as in
-`specdec generate`, each row accepted by its request's sampling settings (greedy rows by the greedy rule alone
-while no sampled request is in flight). On a GPU the next cycle is launched before this one's results are read,
-so the device decodes while this thread hands out tokens. Before it admits a request, the loop reads the cycle
-in flight, which ran over the rows as they were. The JAX engine runs host cycles: the host drafts per row, and
-accepts greedy rows together and each sampled row alone, with its own settings. Both draft by the same n-gram
-rule, and a sampled row's draws are keyed by its seed and position (specdec.acceptance), so a seeded request
-draws the same numbers whatever else shares the batch.
+Step 2 is one fused cycle over the whole batch, on either engine: drafting over the device token buffer, verify,
+acceptance and commit are one CUDA graph replay (torch) or one compiled call (JAX) and one read of the results,
+as in `specdec generate`. Each row is accepted by its request's sampling settings (greedy rows by the greedy rule
+alone while no sampled request is in flight), its draws keyed by its seed and position (specdec.acceptance), so a
+seeded request draws the same numbers whatever else shares the batch. On a GPU the next cycle is launched before
+this one's results are read, so the device decodes while this thread hands out tokens. Before it admits a
+request, the loop reads the cycle in flight, which ran over the rows as they were.
 
 Every row of every forward runs at one fixed shape (the engine's row-invariant decode width), so a
 request's tokens are those it gets alone in the same server.
@@ -27,15 +25,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
-
-from specdec.drafters.ngram import ngram_propose
+from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import SpecdecError
-from specdec.generate import CycleResult, SpecStats, StopCondition, _Ops
-from specdec.protocol import Draft, Verifier
+from specdec.generate import CycleResult, SpecStats, StopCondition
+from specdec.protocol import Verifier
 from specdec.sampling import SamplingParams
 
 log = logging.getLogger("specdec.serve")
@@ -110,17 +106,6 @@ class Request:
         self.cancelled = True
 
 
-class _Row:
-    """A request running in one row of the engine."""
-
-    def __init__(self, request: Request, ops: _Ops):
-        self.request = request
-        self.context = list(request.prompt)  # prompt + emitted tokens; the last one is pending
-        self.seeds = None if request.sampling.greedy else ops.seeds([request.sampling.seed or 0])  # host cycles'
-        # The rule's settings without the seed: JAX compiles the rule once per distinct settings.
-        self.sampling = replace(request.sampling, seed=None)
-
-
 class Scheduler:
     """Runs requests on a batch-B verifier with continuous batching (module docstring). `submit` from any
     thread; `stats` (SpecStats over every row cycle) and the counters are read by the metrics."""
@@ -131,8 +116,7 @@ class Scheduler:
         self.engine = engine
         self.speculative = speculative
         self.k = speculative.k
-        self.ops = _Ops(engine, SamplingParams())  # greedy: conversions, accept_greedy, host transfers
-        self.rows: list[_Row | None] = [None] * engine.batch
+        self.rows: list[Request | None] = [None] * engine.batch  # the request each row runs
         self.waiting: deque[Request] = deque()
         self.stats = SpecStats(k=self.k)
         self.prompt_tokens = 0
@@ -143,15 +127,19 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
 
     def _fused_cycle(self):
-        """The FusedCycle over the whole batch (torch engine), its free rows retired; None for JAX."""
-        if self.ops.jax:
-            return None
-        from specdec.drafters.ngram import NgramDrafter
+        """The fused cycle over the whole batch, its rows free: torch's FusedCycle, or a JaxFusedCycle of one
+        cycle per call (a request joins or leaves between any two cycles)."""
+        spec = self.speculative
+        jax = type(self.engine).__module__.endswith("jax_engine")
+        draft_fn = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max).device_draft_fn(
+            "jax" if jax else "torch", self.k) if self.k else None
+        if jax:
+            from specdec.verifiers.jax_engine import JaxFusedCycle
+
+            return JaxFusedCycle(self.engine, draft_fn, self.k, cycles_per_call=1)
         from specdec.verifiers.torch_engine import FusedCycle
 
-        spec = self.speculative
-        draft_fn = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max).device_draft_fn("torch", self.k)
-        cycle = FusedCycle(self.engine, draft_fn if self.k else None, self.k)
+        cycle = FusedCycle(self.engine, draft_fn, self.k)
         for b in range(self.engine.batch):
             cycle.retire(b)
         return cycle
@@ -224,7 +212,7 @@ class Scheduler:
             log.exception("decoding step failed")
             for b, row in enumerate(self.rows):
                 if row is not None:
-                    row.request.on_update(Update([], finished=True, error=f"internal error: {e}"))
+                    row.on_update(Update([], finished=True, error=f"internal error: {e}"))
                     self._free(b)
 
     def _active(self) -> list[int]:
@@ -233,20 +221,19 @@ class Scheduler:
     def _collect(self) -> None:
         """Hand out the results of the fused cycle in flight, if any, to the rows still running. An admission
         comes after it: that cycle ran over the rows as they were."""
-        result = self.cycle.collect() if self.cycle is not None else None
+        result = self.cycle.collect()
         if result is not None:
             self._deliver(self._active(), result)
 
     def _drop_cancelled(self) -> None:
         for b, row in enumerate(self.rows):
-            if row is not None and row.request.cancelled:
+            if row is not None and row.cancelled:
                 self._free(b)
 
     def _free(self, b: int) -> None:
         """Free a row; its cache stays as it is until the next request's prefill_row."""
         self.rows[b] = None
-        if self.cycle is not None:
-            self.cycle.retire(b)
+        self.cycle.retire(b)
 
     def _admit(self) -> None:
         for b in range(len(self.rows)):
@@ -257,16 +244,13 @@ class Scheduler:
                 return
             self._collect()
             try:
-                if self.cycle is not None:
-                    self.cycle.admit(b, request.prompt, request.stop.max_new_tokens, request.sampling)
-                else:
-                    self.engine.prefill_row(b, request.prompt)
+                self.cycle.admit(b, request.prompt, request.stop.max_new_tokens, request.sampling)
             except Exception as e:  # the server checked the prompt: a bug, but only this request's
                 log.exception("prefill failed")
                 request.on_update(Update([], finished=True, error=f"prefill failed: {e}"))
                 continue
             self.prompt_tokens += len(request.prompt)
-            self.rows[b] = _Row(request, self.ops)
+            self.rows[b] = request
 
     def _next_waiting(self) -> Request | None:
         with self._wakeup:
@@ -277,75 +261,22 @@ class Scheduler:
         return None
 
     def _step(self) -> None:
-        active = self._active()
-        if self.cycle is not None:
-            self._fused_step(active)
-        else:
-            self._host_step(active)
-
-    def _fused_step(self, active: list[int]) -> None:
         # The cycle in flight was launched over these rows (admissions collect it first); rows freed since
         # ride along in it and are not handed its tokens. No cycle runs ahead of a due admission.
         with self._wakeup:
             admission_due = bool(self.waiting) and any(row is None for row in self.rows)
-        self._deliver(active, self.cycle.step(prefetch=self.cycle.prefetch and not admission_due))
+        self._deliver(self._active(), self.cycle.step(prefetch=self.cycle.prefetch and not admission_due))
 
-    def _host_step(self, active: list[int]) -> None:
-        ops, k, batch = self.ops, self.k, len(self.rows)
-        pending = np.zeros(batch, np.int64)
-        drafts = np.zeros((batch, k), np.int64)
-        draft_len = np.zeros(batch, np.int64)
-        for b in active:
-            context = self.rows[b].context
-            pending[b] = context[-1]
-            proposal = ngram_propose(context, k, self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
-            drafts[b, : len(proposal)] = proposal
-            draft_len[b] = len(proposal)
-        draft = ops.on_device(Draft(drafts, draft_len))
-        out = self.engine.verify(ops.tokens_with_pending(self._on_device(pending), draft))
-        num_accepted, next_token = ops.to_host(*self._accept(draft, out.logits, active))
-        commit = self._deliver(active, CycleResult(num_accepted, next_token, drafts, draft_len))
-        self.engine.commit(self._on_device(commit))
-
-    def _deliver(self, active: list[int], result: CycleResult) -> np.ndarray:
-        """Hand each active request its cycle's tokens, free the finished rows; -> tokens to commit per row
-        (the emitted ones of the rows that go on)."""
+    def _deliver(self, active: list[int], result: CycleResult) -> None:
+        """Hand each active request its cycle's tokens, free the finished rows."""
         self.steps += 1
-        commit = np.zeros(len(self.rows), np.int64)
         for b in active:
-            request = self.rows[b].request
+            request = self.rows[b]
             emitted = result.emitted(b)
-            self.rows[b].context.extend(emitted)
             kept, finished = request.stop.take(request.tokens, emitted)
             request.tokens.extend(kept)
             self.stats.record(int(result.draft_len[b]), int(result.num_accepted[b]), len(emitted), len(kept))
             if finished:
                 self._free(b)
-            else:
-                commit[b] = len(emitted)
             request.on_update(Update(kept, finished))
-        return commit
 
-    def _accept(self, draft: Draft, logits, active: list[int]):
-        """(num_accepted [B], next_token [B]) on the device: the greedy rule over the whole batch, then each
-        sampled row again alone with its own settings, drawing by its seed at its pending token's position."""
-        greedy = self.ops.accept_greedy(draft.tokens, draft.lengths, logits)
-        sampled = [b for b in active if self.rows[b].seeds is not None]
-        if not sampled:
-            return greedy
-        parts = [(greedy[0][b : b + 1], greedy[1][b : b + 1]) for b in range(len(self.rows))]
-        for b in sampled:
-            row = self.rows[b]
-            position = self._on_device(np.array([len(row.context) - 1]))
-            uniform = self.ops.keyed_uniform(row.seeds, position, draft.tokens.shape[1] + 1)
-            parts[b] = self.ops.accept_sampled(draft.tokens[b : b + 1], draft.lengths[b : b + 1], None,
-                                               logits[b : b + 1], row.sampling, uniform)
-        join = self.ops.xp.concatenate
-        return join([p[0] for p in parts]), join([p[1] for p in parts])
-
-    def _on_device(self, host: np.ndarray):
-        """Small host int arrays (pending tokens, commit counts) as the engine's arrays."""
-        xp = self.ops.xp
-        if self.ops.jax:
-            return xp.asarray(host, xp.int32)
-        return xp.as_tensor(host, dtype=xp.long, device=self.ops.device)

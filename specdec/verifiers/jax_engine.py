@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from specdec.acceptance.jax_rule import accept_greedy, accept_sampled, keyed_uniform
+from specdec.acceptance.jax_rule import RowSampling, accept_greedy, accept_sampled, keyed_uniform
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, StopCondition, check_context
 from specdec.models.config import GemmaConfig, check_tensor_parallel, decode_width, round_up, tp_split_axis
@@ -121,6 +121,7 @@ class DecodeState(NamedTuple):
     prefill_cycles: jax.Array  # [] prefill cycles left: they commit every row's prompt up to prefill_end
     seeds: jax.Array  # [B, 2] uint32: each row's seed (specdec.sampling.seed_words), keying its sampled draws
     drafter: dict  # a stateful device drafter's state (EAGLE-3: its KV cache, rows to catch up on); {} if none
+    sampling: RowSampling | None = None  # each row's settings (a server's rows each their own); None: all greedy
 
 
 class StepResult(NamedTuple):
@@ -318,12 +319,14 @@ class JaxEngine:
         return self._constrain(dict(cache, slot_pos=slot_pos))
 
     def decode_step(self, params, state: DecodeState, max_new_tokens, eos_ids, draft_fn: DraftFn | None = None,
-                    sampling: SamplingParams = SamplingParams(), draft_params=None) -> tuple[DecodeState, StepResult]:
+                    draft_params=None) -> tuple[DecodeState, StepResult]:
         """One cycle for every row: draft k tokens (k = 0 without a drafter), verify [pending] + drafts,
         accept (greedy: the longest argmax-matching prefix and the target's next token; sampled: lossless
         rejection sampling against the drafter's probabilities, a point mass for a deterministic drafter),
-        commit and emit them. Rows already done emit nothing. `sampling` is static; its seed is not read
-        here (state.seeds holds each row's)."""
+        commit and emit them. Rows already done emit nothing, and a row keeps no more tokens than its budget
+        (`max_new_tokens`, one for all rows or [B]), so its cache does not either. Each row is accepted by its
+        settings in the state (`state.sampling`; None: all greedy) with draws keyed by its seed (`state.seeds`):
+        one program serves every setting and seed."""
         B = state.length.shape[0]
         rows = jnp.arange(B)[:, None]
         pending = state.tokens[rows, state.length[:, None]]
@@ -347,12 +350,12 @@ class JaxEngine:
         else:  # a narrower forward than prefill's chunks: the prompts were committed before the loop
             advance = jnp.zeros(B, jnp.int32)
         logits, hidden, cache = self._forward(params, state.cache, tokens, state.length)
-        if sampling.greedy:
+        if state.sampling is None:
             num_accepted, next_token = accept_greedy(draft, draft_len, logits[:, : k + 1])
         else:  # each row at its pending token's position
             uniform = keyed_uniform(state.seeds, state.length, k + 1)
-            num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits[:, : k + 1], sampling,
-                                                      uniform)
+            num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits[:, : k + 1],
+                                                      state.sampling, uniform)
         next_token = next_token.astype(jnp.int32)
         # Accepted drafts, then the target's token; entries past it are overwritten by the next cycle. A
         # prefill cycle writes nothing (its index is past the buffer's end, where the scatter drops it).
@@ -362,6 +365,7 @@ class JaxEngine:
         is_eos = (emitted[..., None] == eos_ids).any(-1) & (offsets <= num_accepted[:, None]) & ~prefilling
         hit_eos = is_eos.any(axis=1)
         count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, num_accepted + 1)
+        count = jnp.minimum(count, max_new_tokens - state.generated)
         count = jnp.where(state.done | prefilling, 0, count).astype(jnp.int32)
         generated = state.generated + count
         if _stateful(draft_fn):
@@ -377,6 +381,7 @@ class JaxEngine:
             prefill_cycles=jnp.maximum(state.prefill_cycles - 1, 0),
             seeds=state.seeds,
             drafter=drafter_state,
+            sampling=state.sampling,
         )
         return state, StepResult(num_accepted, next_token, draft, draft_len, prefilling)
 
@@ -392,29 +397,30 @@ class JaxEngine:
         chunk = jnp.where(offsets < advance[:, None], chunk, self.cfg.pad_token_id)
         return chunk, advance
 
-    def _loop_fn(self, draft_fn: DraftFn | None = None, sampling: SamplingParams = SamplingParams()):
+    def _loop_fn(self, draft_fn: DraftFn | None = None):
         """The whole decode, decode_step until every row is done, as one compiled while_loop."""
 
         def loop(params, state, max_new_tokens, eos_ids, draft_params=None):
-            step = lambda s: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn, sampling, draft_params)[0]  # noqa: E731
+            step = lambda s: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn, draft_params)[0]  # noqa: E731
             return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
 
-        return self._decode_fn("loop", loop, draft_fn, sampling)
+        return self._decode_fn("loop", loop, draft_fn)
 
-    def _steps_fn(self, cycles: int, draft_fn: DraftFn | None = None, sampling: SamplingParams = SamplingParams()):
+    def _steps_fn(self, cycles: int, draft_fn: DraftFn | None = None):
         """`cycles` decode_steps as one compiled call (a lax.scan), their StepResults stacked [cycles, ...]
         (JaxFusedCycle)."""
 
         def steps(params, state, max_new_tokens, eos_ids, draft_params=None):
-            step = lambda s, _: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn, sampling, draft_params)  # noqa: E731
+            step = lambda s, _: self.decode_step(params, s, max_new_tokens, eos_ids, draft_fn, draft_params)  # noqa: E731
             return jax.lax.scan(step, state, length=cycles)
 
-        return self._decode_fn(("steps", cycles), steps, draft_fn, sampling)
+        return self._decode_fn(("steps", cycles), steps, draft_fn)
 
-    def _decode_fn(self, kind, fn, draft_fn: DraftFn | None, sampling: SamplingParams):
-        """fn jitted (the state donated) once per kind, drafter settings and sampling filters; the seed only
-        is in the state, so requests of other seeds reuse the compiled program."""
-        key = (kind, _draft_fn_key(draft_fn), dataclasses.replace(sampling, seed=None))
+    def _decode_fn(self, kind, fn, draft_fn: DraftFn | None):
+        """fn jitted (the state donated) once per kind and drafter settings. Sampling settings and seeds are in
+        the state, so every request reuses the program: jit compiles it once greedy (no RowSampling in the
+        state) and once sampled."""
+        key = (kind, _draft_fn_key(draft_fn))
         if key not in self._decode_fns:
             self._decode_fns[key] = jax.jit(fn, donate_argnums=1)
         return self._decode_fns[key]
@@ -528,7 +534,7 @@ class JaxEngine:
         tokens. Greedy by default; with a draft_fn it is speculative decoding, with the same output (greedy:
         the same tokens; sampled: the same distribution, reproducible per seed)."""
         state = self.begin_decode(prompt_ids, max_new_tokens, draft_fn, sampling)
-        state = self.decode_fused(state, max_new_tokens, eos_ids, draft_fn, sampling)
+        state = self.decode_fused(state, max_new_tokens, eos_ids, draft_fn)
         return self.emitted_tokens(state, len(prompt_ids), max_new_tokens)
 
     def begin_decode(self, prompt_ids: list[int], max_new_tokens: int, draft_fn: DraftFn | None = None,
@@ -571,15 +577,16 @@ class JaxEngine:
             prefill_end=np.asarray([len(p) - 1 for p in prompts], np.int32),
             prefill_cycles=np.int32(0 if prefilled else self.prefill_cycles(prompts)),
             seeds=seed_words(sampling.row_seeds(self.batch)).astype(np.uint32),
+            sampling=None if sampling.greedy else RowSampling.of([sampling] * self.batch),
         ))
         return DecodeState(cache=self.cache if cache is None else cache, length=self.lengths, drafter=drafter, **host)
 
-    def decode_fused(self, state: DecodeState, max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None,
-                     sampling: SamplingParams = SamplingParams()):
-        """The whole decode loop as one compiled call; returns the final state without waiting for it."""
+    def decode_fused(self, state: DecodeState, max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None):
+        """The whole decode loop as one compiled call (the state holds the sampling settings); returns the final
+        state without waiting for it."""
         self.cache = None  # donated to the loop
         self.dispatches += 1
-        loop = self._loop_fn(draft_fn, sampling)
+        loop = self._loop_fn(draft_fn)
         state = loop(self.params, state, *_stop_arrays(max_new_tokens, eos_ids), _draft_params(draft_fn))
         self.cache, self.lengths = state.cache, state.length
         return state
@@ -604,6 +611,23 @@ def _stop_arrays(max_new_tokens: int, eos_ids) -> tuple[jax.Array, jax.Array]:
     return jax.device_put(np.int32(max_new_tokens)), jax.device_put(eos)
 
 
+_NO_EOS = np.full(8, -1, np.int32)  # _stop_arrays' EOS ids of none
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _admitted(state: DecodeState, row, tokens, seeds) -> DecodeState:
+    """A state whose row starts a request: its prompt (already committed but its last token) in the token
+    buffer, nothing generated, its seed."""
+    return state._replace(tokens=state.tokens.at[row].set(tokens), generated=state.generated.at[row].set(0),
+                          done=state.done.at[row].set(False), cycles=state.cycles.at[row].set(0),
+                          seeds=state.seeds.at[row].set(seeds))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _retired(state: DecodeState, row) -> DecodeState:
+    return state._replace(done=state.done.at[row].set(True))
+
+
 CYCLES_PER_CALL = 8  # decode cycles per dispatch of JaxFusedCycle: fewer host round trips, text still streams
 
 
@@ -620,7 +644,8 @@ class JaxFusedCycle:
     specdec.protocol.DeviceDrafter); with k = 0 nothing is drafted (draft_fn may be None) and each cycle is
     one plain decode step. Sampled decoding draws keyed by each row's seed (sampling.seed + row) and
     position (specdec.acceptance). The compiled program is the engine's, shared by every cycle of equal
-    drafter settings, sampling filters and cycles per call.
+    drafter settings and cycles per call: the sampling settings and seeds are in the state (one program greedy,
+    one sampled). `admit` and `retire` serve requests row by row (a server's continuous batching).
 
     `prefetch` (default: on an accelerator; torch's FusedCycle has the same): `step` dispatches the next call
     before it reads this one's results, so the device runs cycles while the host streams the last call's tokens.
@@ -637,7 +662,7 @@ class JaxFusedCycle:
             raise SpecdecError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
         self.verifier, self.k, self.sampling = engine, k, sampling
         self.draft_fn = draft_fn if k > 0 else None
-        self._steps = engine._steps_fn(cycles_per_call, self.draft_fn, sampling)
+        self._steps = engine._steps_fn(cycles_per_call, self.draft_fn)
         self._cycles_per_call = cycles_per_call
         # decode_step prefills in a forward as wide as prefill's chunks, which a stateful drafter's begin
         # (from prefill's hidden states) cannot wait for.
@@ -650,6 +675,8 @@ class JaxFusedCycle:
         self.state: DecodeState | None = None
         self._stop: tuple[jax.Array, jax.Array] | None = None
         self._ready: list[CycleResult] = []  # cycles run on the device, not yet handed out
+        self._rows: list[SamplingParams] | None = None  # serving (admit): each row's settings, seed aside
+        self._budget: np.ndarray | None = None  # serving: each row's token budget
 
     def compile_ahead(self, stop: StopCondition) -> None:
         """Start compiling what a run needs, in threads, and return: `start` waits for it. That is this
@@ -690,6 +717,7 @@ class JaxFusedCycle:
         (the decode cycles that end the last of them wait for `step`: `decode_cycles_in_start`); else
         through prefill's own forward."""
         self.wait_compiled()
+        self._rows = self._budget = None  # a state for these prompts alone
         self._stop = _stop_arrays(stop.max_new_tokens, stop.eos_ids)
         self._ready = []
         self._in_flight = None  # an earlier run's: its state is replaced below
@@ -702,12 +730,78 @@ class JaxFusedCycle:
             self._read(self._dispatch())  # nothing ahead: run_cycles times start as the prefill
         self.decode_cycles_in_start = len(self._ready)
 
-    def step(self) -> CycleResult:
+    def step(self, prefetch: bool | None = None) -> CycleResult:
+        """The next cycle's results; `prefetch` (None: the cycle's setting) dispatches the next call before it
+        reads this one."""
         while not self._ready:
             results = self._in_flight if self._in_flight is not None else self._dispatch()
-            self._in_flight = self._dispatch() if self.prefetch else None
+            self._in_flight = self._dispatch() if (self.prefetch if prefetch is None else prefetch) else None
             self._read(results)
         return self._ready.pop()
+
+    # -- serving: rows admitted and retired one by one (continuous batching) ------------------------------
+
+    def admit(self, row: int, prompt: list[int], max_new_tokens: int,
+              sampling: SamplingParams = SamplingParams()) -> None:
+        """Start a request in one row while the other rows keep theirs: prefill it alone (the engine's
+        prefill_row), load its prompt into the row's token buffer, set its budget, settings and seed (None: 0).
+        Each row is then accepted by its own settings (RowSampling). A cycle of one call per cycle, with a
+        stateless drafter: a stateful drafter's state spans the batch."""
+        if _stateful(self.draft_fn) or self._cycles_per_call != 1:
+            raise SpecdecError("rows are admitted one by one only into cycles of one cycle per call with a "
+                               "stateless drafter")
+        if self._in_flight is not None:
+            raise SpecdecError("a row is admitted while a call is in flight, which ran over the rows as they were: "
+                               "collect it first")
+        engine = self.verifier
+        state = self._serving_state()
+        engine.prefill_row(row, prompt)  # on the state's cache, which it replaces
+        tokens = np.zeros(state.tokens.shape[1], np.int32)
+        tokens[: len(prompt)] = prompt
+        self._rows[row] = dataclasses.replace(sampling, seed=None)
+        self._budget[row] = max_new_tokens
+        seeds = seed_words([sampling.seed or 0])[0].astype(np.uint32)
+        self._set_state(_admitted(state._replace(cache=engine.cache, length=engine.lengths), row, tokens, seeds))
+        self._set_rules()
+
+    def retire(self, row: int) -> None:
+        """Stop one row advancing: it rides along, done, until it is admitted again. A call in flight may still
+        advance it once; its results for the row are the caller's to ignore."""
+        if self.state is None:
+            return
+        self._rows[row] = SamplingParams()
+        self._set_state(_retired(self.state, row))
+        self._set_rules()
+
+    def collect(self) -> CycleResult | None:
+        """The results of the call in flight (one cycle), dispatching none; None if there is none."""
+        if self._in_flight is None:
+            return None
+        results, self._in_flight = self._in_flight, None
+        self._read(results)
+        return self._ready.pop() if self._ready else None
+
+    def _serving_state(self) -> DecodeState:
+        """The state rows are admitted into: every row done until admitted, budgets per row."""
+        if self._rows is None:
+            engine = self.verifier
+            batch = engine.batch
+            self._rows = [SamplingParams()] * batch
+            self._budget = np.zeros(batch, np.int32)
+            self._set_state(engine._decode_state([[engine.cfg.pad_token_id]] * batch, SamplingParams(), True, {}))
+        return self.state
+
+    def _set_rules(self) -> None:
+        """The device's copy of each row's budget and settings. While every row is greedy, the state carries no
+        RowSampling and the cycle's program is the greedy rule's. No EOS stops a row on the device: the host
+        applies each request's stop condition."""
+        sampled = any(not r.greedy for r in self._rows)
+        self.state = self.state._replace(sampling=jax.device_put(RowSampling.of(self._rows)) if sampled else None)
+        self._stop = jax.device_put((self._budget, _NO_EOS))
+
+    def _set_state(self, state: DecodeState) -> None:
+        self.state = state
+        self.verifier.cache, self.verifier.lengths = state.cache, state.length
 
     def drain(self) -> None:
         """Wait for the call in flight, whose results no one will read, so that it is not timed with what runs

@@ -99,18 +99,17 @@ def test_filters_reach_the_fused_sampler(engines, framework):
         assert decode(fused(engine, K, only_the_top), K, 16).tokens == greedy, only_the_top
 
 
-def test_jax_cycles_of_equal_settings_share_one_compiled_step(engines):
-    """device_draft_fn makes a new functools.partial each call, and seeds differ per request: neither
-    compiles again."""
+def test_jax_cycles_of_any_settings_share_one_compiled_step(engines):
+    """device_draft_fn makes a new functools.partial each call, and settings and seeds differ per request: the
+    cycles share one jitted step, traced once greedy and once for every sampled setting."""
     engine = engines["jax"]
-    first, second = fused(engine, K, SamplingParams(0.8, seed=1)), fused(engine, K, SamplingParams(0.8, seed=2))
-    assert first._steps is second._steps
-    assert fused(engine, K, SamplingParams(0.9))._steps is not first._steps
-    loop = engine._loop_fn(NgramDrafter().device_draft_fn("jax", K), SamplingParams(0.8, seed=1))
-    assert engine._loop_fn(NgramDrafter().device_draft_fn("jax", K), SamplingParams(0.8, seed=2)) is loop
-    decode(first, K, 8)
-    decode(second, K, 8)
-    assert first._steps._cache_size() == 1  # traced once
+    settings = [SamplingParams(0.8, seed=1), SamplingParams(0.8, seed=2), SamplingParams(0.9, top_k=5, top_p=0.9)]
+    cycles = [fused(engine, K, sampling) for sampling in settings + [GREEDY]]
+    assert all(cycle._steps is cycles[0]._steps for cycle in cycles)
+    assert engine._loop_fn(NgramDrafter().device_draft_fn("jax", K)) is engine._loop_fn(NgramDrafter().device_draft_fn("jax", K))
+    for cycle in cycles:
+        decode(cycle, K, 8)
+    assert cycles[0]._steps._cache_size() == 2
 
 
 
