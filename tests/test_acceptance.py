@@ -295,10 +295,11 @@ def test_per_row_settings_give_each_row_what_its_own_settings_give():
 
 
 def test_jax_per_row_settings_leave_each_row_as_its_settings_alone_leave_it():
-    """JAX's RowSampling (a server's batch; one program for every mix of settings, each filter run where a row uses
-    it): each row's warp is bitwise what a batch of its settings alone gives it, a greedy row among sampled ones
-    included, and its tokens those of its SamplingParams. The warp is not bitwise SamplingParams' own: there the
-    settings are constants of the program, which XLA may rewrite (a division by a constant temperature)."""
+    """JAX's RowSampling of a server's batch (one program for every mix of settings, the filters in use picked on the
+    device): each row's warp is bitwise what a batch of its settings alone gives it, a greedy row among sampled
+    ones included, and its tokens those of its SamplingParams. The warps are not bitwise those of SamplingParams, or
+    of RowSampling naming its filters (generate's): XLA rewrites and fuses the division by the temperature
+    differently in each program."""
     import jax
     import jax.numpy as jnp
 

@@ -7,7 +7,8 @@ static (SamplingParams is hashable); K is static through the shapes, so they als
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,26 +18,34 @@ from specdec.acceptance import KEYED_MIX, KEYED_STEP
 from specdec.sampling import SamplingParams
 
 
-class RowSampling(NamedTuple):
-    """Per-row settings of a batch whose rows sample differently (a server's requests), as arrays [B]:
-    temperature (0: a greedy row), top_k (0: off), top_p_rest (1 - top_p as SamplingParams' float gives it;
-    0: off) and min_p (0: off). A filter runs only when some row uses it (a lax.cond, so one program serves
-    every mix of settings), and leaves a row with it off as it is: each row gets bitwise what SamplingParams of
-    its settings give it."""
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["temperature", "top_k", "top_p_rest", "min_p"],
+                   meta_fields=["filters"])
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Per-row settings of a batch whose rows may sample differently, as arrays [B]: temperature (0: a greedy
+    row), top_k (0: off), top_p_rest (1 - top_p as SamplingParams' float gives it; 0: off) and min_p (0: off).
+    `filters` (static) names the filters to run, where the caller knows them (a run of one setting); None (a
+    server's rows, whose mix changes from cycle to cycle) picks them on the device, one branch of a lax.switch
+    per set, so one program serves every mix. A filter leaves a row with it off as it is."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p_rest: jax.Array
     min_p: jax.Array
+    filters: frozenset[str] | None = None
 
     @classmethod
-    def of(cls, rows: list[SamplingParams]) -> "RowSampling":
+    def of(cls, rows: list[SamplingParams], filters: frozenset[str] | None = None) -> "RowSampling":
         """Host arrays of rows' settings; a greedy row's filters are off (it takes the greedy rule's token)."""
         def column(value, dtype):
             return np.asarray([0 if r.greedy else value(r) for r in rows], dtype)
 
         return cls(column(lambda r: r.temperature, np.float32), column(lambda r: r.top_k, np.int32),
-                   column(lambda r: 1 - r.top_p, np.float32), column(lambda r: r.min_p, np.float32))
+                   column(lambda r: 1 - r.top_p, np.float32), column(lambda r: r.min_p, np.float32), filters)
+
+
+FILTERS = ("top_k", "top_p", "min_p")
+FILTER_SETS = [frozenset(f for i, f in enumerate(FILTERS) if mask >> i & 1) for mask in range(2 ** len(FILTERS))]
 
 
 def warp_probs(logits: jax.Array, params: SamplingParams | RowSampling) -> jax.Array:
@@ -63,11 +72,20 @@ def _row_probs(logits: jax.Array, params: RowSampling) -> jax.Array:
     temperature = _per_row(params.temperature, logits)
     logits = logits / jnp.where(temperature == 0, 1.0, temperature)
     top_k, rest, min_p = (_per_row(a, logits) for a in (params.top_k, params.top_p_rest, params.min_p))
-    for used, apply in ((params.top_k > 0, lambda x: _top_k_rows(x, top_k)),
-                        (params.top_p_rest > 0, lambda x: _top_p(x, rest, rest > 0)),
-                        (params.min_p > 0, lambda x: _min_p(x, min_p))):
-        logits = jax.lax.cond(used.any(), apply, lambda x: x, logits)
-    return jax.nn.softmax(logits, axis=-1)
+    steps = {"top_k": lambda x: _top_k_rows(x, top_k), "top_p": lambda x: _top_p(x, rest, rest > 0),
+             "min_p": lambda x: _min_p(x, min_p)}
+
+    def filtered(filters, x):
+        for name in FILTERS:
+            x = steps[name](x) if name in filters else x
+        return x
+
+    if params.filters is not None:
+        return jax.nn.softmax(filtered(params.filters, logits), axis=-1)
+    used = [(params.top_k > 0).any(), (params.top_p_rest > 0).any(), (params.min_p > 0).any()]
+    which = sum(u.astype(jnp.int32) << i for i, u in enumerate(used))  # the index of FILTER_SETS in use
+    branches = [functools.partial(filtered, filters) for filters in FILTER_SETS]
+    return jax.nn.softmax(jax.lax.switch(which, branches, logits), axis=-1)
 
 
 def _per_row(values: jax.Array, like: jax.Array) -> jax.Array:

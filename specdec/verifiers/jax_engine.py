@@ -577,7 +577,7 @@ class JaxEngine:
             prefill_end=np.asarray([len(p) - 1 for p in prompts], np.int32),
             prefill_cycles=np.int32(0 if prefilled else self.prefill_cycles(prompts)),
             seeds=seed_words(sampling.row_seeds(self.batch)).astype(np.uint32),
-            sampling=None if sampling.greedy else RowSampling.of([sampling] * self.batch),
+            sampling=None if sampling.greedy else RowSampling.of([sampling] * self.batch, sampling.filters),
         ))
         return DecodeState(cache=self.cache if cache is None else cache, length=self.lengths, drafter=drafter, **host)
 
@@ -644,8 +644,9 @@ class JaxFusedCycle:
     specdec.protocol.DeviceDrafter); with k = 0 nothing is drafted (draft_fn may be None) and each cycle is
     one plain decode step. Sampled decoding draws keyed by each row's seed (sampling.seed + row) and
     position (specdec.acceptance). The compiled program is the engine's, shared by every cycle of equal
-    drafter settings and cycles per call: the sampling settings and seeds are in the state (one program greedy,
-    one sampled). `admit` and `retire` serve requests row by row (a server's continuous batching).
+    drafter settings and cycles per call: the sampling settings and seeds are in the state (a program greedy, one
+    per set of filters in use). `admit` and `retire` serve requests row by row (a server's continuous batching),
+    each row by its own settings, the filters picked on the device.
 
     `prefetch` (default: on an accelerator; torch's FusedCycle has the same): `step` dispatches the next call
     before it reads this one's results, so the device runs cycles while the host streams the last call's tokens.

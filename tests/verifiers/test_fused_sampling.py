@@ -99,18 +99,21 @@ def test_filters_reach_the_fused_sampler(engines, framework):
         assert decode(fused(engine, K, only_the_top), K, 16).tokens == greedy, only_the_top
 
 
-def test_jax_cycles_of_any_settings_share_one_compiled_step(engines):
+def test_jax_cycles_of_any_temperature_or_seed_share_one_compiled_step(engines):
     """device_draft_fn makes a new functools.partial each call, and settings and seeds differ per request: the
-    cycles share one jitted step, traced once greedy and once for every sampled setting."""
+    cycles share one jitted step, traced once greedy and once per set of filters in use, whatever the
+    temperature, the filters' values or the seed."""
     engine = engines["jax"]
-    settings = [SamplingParams(0.8, seed=1), SamplingParams(0.8, seed=2), SamplingParams(0.9, top_k=5, top_p=0.9)]
-    cycles = [fused(engine, K, sampling) for sampling in settings + [GREEDY]]
+    settings = [SamplingParams(0.8, seed=1), SamplingParams(0.8, seed=2), SamplingParams(1.3, seed=9),
+                SamplingParams(0.9, top_k=5, top_p=0.9), SamplingParams(0.5, top_k=7, top_p=0.6, seed=3)]
+    cycles = [fused(engine, K, sampling) for sampling in settings]
     assert all(cycle._steps is cycles[0]._steps for cycle in cycles)
     assert engine._loop_fn(NgramDrafter().device_draft_fn("jax", K)) is engine._loop_fn(NgramDrafter().device_draft_fn("jax", K))
+    traced = []
     for cycle in cycles:
         decode(cycle, K, 8)
-    assert cycles[0]._steps._cache_size() == 2
-
+        traced.append(cycles[0]._steps._cache_size())
+    assert traced[1:3] == traced[:1] * 2 and traced[4] == traced[3] <= traced[0] + 1
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED])
