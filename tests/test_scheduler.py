@@ -68,7 +68,8 @@ class Steps:
 @pytest.mark.parametrize("k", [0, 4])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_a_greedy_request_gets_the_tokens_of_generate(engine, k, prefetch):
-    assert Steps(engine, k, prefetch=prefetch).run(request(PROMPT, NEW_TOKENS)) == generated(engine, PROMPT, NEW_TOKENS, k=k)
+    served = Steps(engine, k, prefetch=prefetch).run(request(PROMPT, NEW_TOKENS))
+    assert served == generated(engine, PROMPT, NEW_TOKENS, k=k)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])

@@ -1,8 +1,8 @@
 """Acceptance rules in JAX; semantics in ``specdec.acceptance``.
 
 Pure functions whose random draws are keyed by each row's seed and position. jit them with ``params``
-static (SamplingParams is hashable); K is static through the shapes, so they also run inside
-``lax.while_loop``.
+static (SamplingParams is hashable), or pass RowSampling (per-row settings) as an argument; K is static through
+the shapes, so they also run inside ``lax.while_loop``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def warp_probs(logits: jax.Array, params: SamplingParams | RowSampling) -> jax.A
     logits = logits.astype(jnp.float32)
     if isinstance(params, RowSampling):
         greedy_rows = _per_row(params.temperature == 0, logits)
-        return jnp.where(greedy_rows, _one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1]), _row_probs(logits, params))
+        greedy = _one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1])
+        return jnp.where(greedy_rows, greedy, _row_probs(logits, params))
     if params.greedy:
         return _one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1])
     logits = logits / params.temperature
@@ -196,8 +197,8 @@ def _top_k_rows(logits: jax.Array, top_k: jax.Array) -> jax.Array:
     """_top_k with k per row (0: off), broadcast over logits: a whole sort, the same k-th value."""
     vocab = logits.shape[-1]
     kth = jnp.minimum(jnp.where(top_k > 0, top_k, vocab), vocab) - 1
-    kth_largest = jnp.take_along_axis(jnp.sort(logits, axis=-1, descending=True), jnp.broadcast_to(kth, logits.shape[:-1] + (1,)),
-                                      axis=-1)
+    kth = jnp.broadcast_to(kth, logits.shape[:-1] + (1,))
+    kth_largest = jnp.take_along_axis(jnp.sort(logits, axis=-1, descending=True), kth, axis=-1)
     return jnp.where(logits < kth_largest, -jnp.inf, logits)
 
 

@@ -325,8 +325,8 @@ class JaxEngine:
         rejection sampling against the drafter's probabilities, a point mass for a deterministic drafter),
         commit and emit them. Rows already done emit nothing, and a row keeps no more tokens than its budget
         (`max_new_tokens`, one for all rows or [B]), so its cache does not either. Each row is accepted by its
-        settings in the state (`state.sampling`; None: all greedy) with draws keyed by its seed (`state.seeds`):
-        one program serves every setting and seed."""
+        settings in the state (`state.sampling`; None: all greedy) with draws keyed by its seed (`state.seeds`),
+        so a program serves any temperature, filter values and seed."""
         B = state.length.shape[0]
         rows = jnp.arange(B)[:, None]
         pending = state.tokens[rows, state.length[:, None]]
@@ -418,8 +418,8 @@ class JaxEngine:
 
     def _decode_fn(self, kind, fn, draft_fn: DraftFn | None):
         """fn jitted (the state donated) once per kind and drafter settings. Sampling settings and seeds are in
-        the state, so every request reuses the program: jit compiles it once greedy (no RowSampling in the
-        state) and once sampled."""
+        the state, so requests reuse the program: jit compiles it once greedy (no RowSampling in the state) and
+        once per set of filters a run names (a server's rows name none: one program for every mix)."""
         key = (kind, _draft_fn_key(draft_fn))
         if key not in self._decode_fns:
             self._decode_fns[key] = jax.jit(fn, donate_argnums=1)

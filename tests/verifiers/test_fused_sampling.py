@@ -108,7 +108,8 @@ def test_jax_cycles_of_any_temperature_or_seed_share_one_compiled_step(engines):
                 SamplingParams(0.9, top_k=5, top_p=0.9), SamplingParams(0.5, top_k=7, top_p=0.6, seed=3)]
     cycles = [fused(engine, K, sampling) for sampling in settings]
     assert all(cycle._steps is cycles[0]._steps for cycle in cycles)
-    assert engine._loop_fn(NgramDrafter().device_draft_fn("jax", K)) is engine._loop_fn(NgramDrafter().device_draft_fn("jax", K))
+    loop = engine._loop_fn(NgramDrafter().device_draft_fn("jax", K))
+    assert engine._loop_fn(NgramDrafter().device_draft_fn("jax", K)) is loop
     traced = []
     for cycle in cycles:
         decode(cycle, K, 8)
