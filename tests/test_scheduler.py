@@ -171,3 +171,24 @@ def test_a_prefetching_cycle_hands_out_the_cycle_in_flight_before_a_request_is_a
         steps.turn()
     assert [r.tokens for r in requests] == solo
     assert scheduler.cycle.collect() is not None  # cycles did run ahead
+
+
+def test_requests_admitted_in_one_turn_get_their_solo_tokens(engine, monkeypatch):
+    """Requests waiting together start in one turn; JAX prefills their rows in the same forwards."""
+    prompts = [PROMPT, [7, 3, 7, 3, 7, 3, 7, 3, 7, 3, 7, 3, 7, 3, 7, 3, 7, 3, 7, 5]]  # the second spans two chunks
+    samplings = [SamplingParams(), SamplingParams(temperature=1.0, seed=11)]
+    solo = [Steps(engine, 4).run(request(p, 16, s)) for p, s in zip(prompts, samplings)]
+    if is_jax(engine):
+        prefills = []
+        prefill_rows = type(engine).prefill_rows
+        monkeypatch.setattr(type(engine), "prefill_rows", lambda self, rows: (prefills.append(sorted(rows)),
+                                                                                prefill_rows(self, rows))[1])
+    steps = Steps(engine, 4)
+    requests = [request(p, 16, s) for p, s in zip(prompts, samplings)]
+    for req in requests:
+        steps.scheduler.submit(req)
+    while steps.scheduler.running or steps.scheduler.num_waiting:
+        steps.turn()
+    assert [r.tokens for r in requests] == solo
+    if is_jax(engine):
+        assert prefills == [[0, 1]]

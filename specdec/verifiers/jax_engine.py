@@ -445,13 +445,19 @@ class JaxEngine:
     def prefill_row(self, row: int, prompt: list[int]) -> jax.Array:
         """Start a new request in one row, leaving the other rows' requests as they are (continuous
         batching); returns its pending token [1]."""
-        if not 0 <= row < self.batch:
-            raise SpecdecError(f"row {row} outside the engine's batch of {self.batch}")
-        self._check_prompt(prompt)
-        self.cache = self._reset_row_fn(self.cache, row)
-        self.lengths = self.lengths.at[row].set(0)
-        self._feed({row: prompt[:-1]})
+        self.prefill_rows({row: prompt})
         return jnp.asarray(prompt[-1:], jnp.int32)
+
+    def prefill_rows(self, prompts: dict[int, list[int]]) -> None:
+        """prefill_row of several rows (row -> prompt) together: the same forwards commit all of them."""
+        for row, prompt in prompts.items():
+            if not 0 <= row < self.batch:
+                raise SpecdecError(f"row {row} outside the engine's batch of {self.batch}")
+            self._check_prompt(prompt)
+        for row in prompts:
+            self.cache = self._reset_row_fn(self.cache, row)
+            self.lengths = self.lengths.at[row].set(0)
+        self._feed({row: prompt[:-1] for row, prompt in prompts.items()})
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
@@ -678,6 +684,7 @@ class JaxFusedCycle:
         self._ready: list[CycleResult] = []  # cycles run on the device, not yet handed out
         self._rows: list[SamplingParams] | None = None  # serving (admit): each row's settings, seed aside
         self._budget: np.ndarray | None = None  # serving: each row's token budget
+        self._admitting: dict[int, tuple] = {}  # serving: row -> (prompt, seed words), prefilled at the next call
 
     def compile_ahead(self, stop: StopCondition) -> None:
         """Start compiling what a run needs, in threads, and return: `start` waits for it. That is this
@@ -719,6 +726,7 @@ class JaxFusedCycle:
         through prefill's own forward."""
         self.wait_compiled()
         self._rows = self._budget = None  # a state for these prompts alone
+        self._admitting = {}
         self._stop = _stop_arrays(stop.max_new_tokens, stop.eos_ids)
         self._ready = []
         self._in_flight = None  # an earlier run's: its state is replaced below
@@ -744,32 +752,28 @@ class JaxFusedCycle:
 
     def admit(self, row: int, prompt: list[int], max_new_tokens: int,
               sampling: SamplingParams = SamplingParams()) -> None:
-        """Start a request in one row while the other rows keep theirs: prefill it alone (the engine's
-        prefill_row), load its prompt into the row's token buffer, set its budget, settings and seed (None: 0).
-        Each row is then accepted by its own settings (RowSampling). A cycle of one call per cycle, with a
-        stateless drafter: a stateful drafter's state spans the batch."""
+        """Start a request in one row while the other rows keep theirs, with its budget, settings and seed (None:
+        0); each row is then accepted by its own settings (RowSampling). The prompt is checked now and prefilled
+        before the next call, in the same forwards as every row admitted since (the engine's prefill_rows). A
+        cycle of one cycle per call, with a stateless drafter: a stateful drafter's state spans the batch."""
         if _stateful(self.draft_fn) or self._cycles_per_call != 1:
             raise SpecdecError("rows are admitted one by one only into cycles of one cycle per call with a "
                                "stateless drafter")
         if self._in_flight is not None:
             raise SpecdecError("a row is admitted while a call is in flight, which ran over the rows as they were: "
                                "collect it first")
-        engine = self.verifier
-        state = self._serving_state()
-        engine.prefill_row(row, prompt)  # on the state's cache, which it replaces
-        tokens = np.zeros(state.tokens.shape[1], np.int32)
-        tokens[: len(prompt)] = prompt
+        self.verifier._check_prompt(prompt)
+        self._start_serving()
         self._rows[row] = dataclasses.replace(sampling, seed=None)
         self._budget[row] = max_new_tokens
-        seeds = seed_words([sampling.seed or 0])[0].astype(np.uint32)
-        self._set_state(_admitted(state._replace(cache=engine.cache, length=engine.lengths), row, tokens, seeds))
-        self._set_rules()
+        self._admitting[row] = (prompt, seed_words([sampling.seed or 0])[0].astype(np.uint32))
 
     def retire(self, row: int) -> None:
         """Stop one row advancing: it rides along, done, until it is admitted again. A call in flight may still
         advance it once; its results for the row are the caller's to ignore."""
         if self.state is None:
             return
+        self._admitting.pop(row, None)
         self._rows[row] = SamplingParams()
         self._set_state(_retired(self.state, row))
         self._set_rules()
@@ -782,15 +786,33 @@ class JaxFusedCycle:
         self._read(results)
         return self._ready.pop() if self._ready else None
 
-    def _serving_state(self) -> DecodeState:
-        """The state rows are admitted into: every row done until admitted, budgets per row."""
+    def _start_serving(self) -> None:
+        """Once: the state rows are admitted into, every row done until admitted, a budget per row."""
         if self._rows is None:
             engine = self.verifier
             batch = engine.batch
             self._rows = [SamplingParams()] * batch
             self._budget = np.zeros(batch, np.int32)
             self._set_state(engine._decode_state([[engine.cfg.pad_token_id]] * batch, SamplingParams(), True, {}))
-        return self.state
+
+    def _set_state(self, state: DecodeState) -> None:
+        self.state = state
+        self.verifier.cache, self.verifier.lengths = state.cache, state.length
+
+    def _prefill_admitted(self) -> None:
+        """Prefill the rows admitted since the last call, together, and start them in the state."""
+        if not self._admitting:
+            return
+        engine = self.verifier
+        engine.prefill_rows({row: prompt for row, (prompt, _) in self._admitting.items()})
+        state = self.state._replace(cache=engine.cache, length=engine.lengths)
+        for row, (prompt, seeds) in self._admitting.items():
+            tokens = np.zeros(state.tokens.shape[1], np.int32)
+            tokens[: len(prompt)] = prompt
+            state = _admitted(state, row, tokens, seeds)
+        self._admitting = {}
+        self._set_state(state)
+        self._set_rules()
 
     def _set_rules(self) -> None:
         """The device's copy of each row's budget and settings. While every row is greedy, the state carries no
@@ -799,10 +821,6 @@ class JaxFusedCycle:
         sampled = any(not r.greedy for r in self._rows)
         self.state = self.state._replace(sampling=jax.device_put(RowSampling.of(self._rows)) if sampled else None)
         self._stop = jax.device_put((self._budget, _NO_EOS))
-
-    def _set_state(self, state: DecodeState) -> None:
-        self.state = state
-        self.verifier.cache, self.verifier.lengths = state.cache, state.length
 
     def drain(self) -> None:
         """Wait for the call in flight, whose results no one will read, so that it is not timed with what runs
@@ -813,6 +831,7 @@ class JaxFusedCycle:
 
     def _dispatch(self):
         """Dispatch one call of `cycles_per_call` cycles (it returns at once) -> its results, on the device."""
+        self._prefill_admitted()
         engine = self.verifier
         engine.cache = None  # donated to the call
         engine.dispatches += 1
