@@ -1,8 +1,8 @@
 """Continuous batching: one thread owns the batch-B engine and runs every request in flight together.
 
 Each iteration of the loop:
-  1. drops requests whose client went away, and admits waiting requests into free rows (`prefill_row`:
-     the other rows keep their state);
+  1. drops requests whose client went away, and admits waiting requests into free rows (the engine's
+     `prefill_row`, the other rows keeping their state; JAX prefills the rows admitted in one turn together);
   2. runs one cycle of every row: n-gram drafts, one `verify` of [pending, drafts] for all B rows (drafts
      padded to k, with per-row lengths), acceptance;
   3. hands each request its new tokens (its stop condition applied); the accepted tokens + 1 of the rows

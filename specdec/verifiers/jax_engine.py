@@ -757,8 +757,7 @@ class JaxFusedCycle:
         before the next call, in the same forwards as every row admitted since (the engine's prefill_rows). A
         cycle of one cycle per call, with a stateless drafter: a stateful drafter's state spans the batch."""
         if _stateful(self.draft_fn) or self._cycles_per_call != 1:
-            raise SpecdecError("rows are admitted one by one only into cycles of one cycle per call with a "
-                               "stateless drafter")
+            raise SpecdecError("rows are admitted only into cycles of one cycle per call with a stateless drafter")
         if self._in_flight is not None:
             raise SpecdecError("a row is admitted while a call is in flight, which ran over the rows as they were: "
                                "collect it first")
