@@ -16,7 +16,7 @@ import pytest
 
 from specdec.errors import SpecdecError
 from specdec.protocol import Verifier
-from specdec.verifiers.jax_engine import JaxEngine
+from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
 
 VARIANT = "gemma4_e"  # per-layer inputs, KV-shared layers, double-wide MLPs
 K_MAX = 4
@@ -251,6 +251,10 @@ def test_bad_input(engine):
         engine.verify(jnp.zeros((1, 6), jnp.int32))
     with pytest.raises(SpecdecError, match="does not fit the context of 1024"):
         engine.generate_fused([2, 5, 7], 1024)
+    with pytest.raises(SpecdecError, match="admitted only into cycles of one cycle per call"):
+        JaxFusedCycle(engine, None, 0).admit(0, [2, 5, 7], 8)
+    with pytest.raises(SpecdecError, match="does not fit the context of 1024"):  # checked when admitted
+        JaxFusedCycle(engine, None, 0, cycles_per_call=1).admit(0, list(range(3, 1100)), 8)
 
 
 TP_SCRIPT = textwrap.dedent(
