@@ -129,7 +129,7 @@ def main() -> None:
         cycle = make()
         engine = cycle.verifier
         wall = time_cycles(cycle, prompt, args.reps) * 1e3  # replay and the host's read, as decoding runs it
-        graph = cycle._graph[0]
+        graph = cycle._graphs[None][0]  # the greedy rule's graph
         gpu = gpu_ms(graph.replay, args.reps)
         cycle_kernels = kernels(graph.replay, 20)
         # the verify forward alone: every decode forward runs at the engine's one width (its own graph)
