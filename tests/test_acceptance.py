@@ -107,6 +107,32 @@ def test_argmax_returns_the_lowest_tied_index():
     assert int(jax.numpy.argmax(row)) == 1
 
 
+def _wide_rows(vocab: int) -> torch.Tensor:
+    """Rows whose argmax is hard for a pass by blocks: maxima tied within a block and across blocks, a NaN
+    (torch.argmax's largest), -inf alone, +inf beside a NaN, and random logits."""
+    rng = np.random.default_rng(7)
+    rows = rng.integers(-3, 4, size=(8, vocab)).astype(np.float32)
+    rows[0, [5, 9, vocab - 3]] = 50.0  # tie within the first block and with the last one
+    rows[1, [vocab - 1, vocab // 2 + 7]] = 50.0  # the later id in the last (padded) block
+    rows[2, vocab * 3 // 4], rows[2, 700] = np.nan, 50.0
+    rows[3] = -np.inf
+    rows[4, 3], rows[4, vocab - 2] = np.inf, np.nan
+    rows[5] = rng.standard_normal(vocab)
+    return torch.from_numpy(rows).view(2, 4, vocab)  # leading dimensions as [B, K+1]
+
+
+@pytest.mark.parametrize("vocab", [1000, 2048, 5000])  # one block (plain argmax); whole blocks; the last padded
+def test_compiled_greedy_token_is_argmax_with_lowest_id(vocab):
+    """Traced by torch.compile (the eager backend runs what dynamo traces), greedy_token takes its two passes
+    and still gives torch.argmax's token, NaN and ties included."""
+    logits = _wide_rows(vocab)
+    compiled = torch.compile(torch_rule.greedy_token, backend="eager", fullgraph=True)
+    want = logits.argmax(dim=-1)
+    assert torch.equal(compiled(logits), want)
+    assert torch.equal(torch_rule.greedy_token(logits), want)
+    assert want[0, 0] == 5 and want[0, 1] == vocab // 2 + 7 and want[0, 2] == vocab * 3 // 4
+
+
 def random_greedy_inputs(rng, batch: int, k: int, vocab: int):
     target_logits = rng.integers(-2, 3, size=(batch, k + 1, vocab)).astype(np.float32)
     argmaxes = np.array([[oracle.argmax_lowest_id(r) for r in rows] for rows in target_logits])
@@ -392,3 +418,12 @@ def test_torch_rules_replay_in_a_cuda_graph():
         eager = run_rules()[1]  # the same keys eagerly give the same tokens
         assert all(torch.equal(a, b) for a, b in zip(replayed, eager))
         assert (replayed[0] <= draft_len).all()
+
+
+@pytest.mark.gpu
+def test_greedy_token_compiled_by_inductor_on_cuda_is_argmax():
+    """Inductor's kernels for the two passes, on the 270M's vocabulary: torch.argmax's tokens, ties and NaN
+    included."""
+    logits = _wide_rows(262144).cuda()
+    compiled = torch.compile(torch_rule.greedy_token, fullgraph=True)
+    assert torch.equal(compiled(logits), logits.argmax(dim=-1))

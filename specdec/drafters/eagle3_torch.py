@@ -140,7 +140,7 @@ class TorchEagle3:
 
     def draft(self):
         """-> (draft [B, k] target ids, draft_len [B], draft probs [B, k, V] when sampled else None)."""
-        from specdec.acceptance.torch_rule import _sample, warp_probs
+        from specdec.acceptance.torch_rule import _sample, greedy_token, warp_probs
 
         B = self.batch
         rows = torch.arange(B, device=self.tokens.device)
@@ -151,7 +151,7 @@ class TorchEagle3:
         drafts, probs = [], []
         for j in range(self.k):
             if self.generator is None:
-                token = self.draft_ids[logits.argmax(dim=-1)]
+                token = self.draft_ids[greedy_token(logits)]
             else:  # the request's filters over the target vocabulary, as the target samples
                 full = logits.new_full((B, self.cfg.vocab_size), -torch.inf)
                 full[:, self.draft_ids] = logits

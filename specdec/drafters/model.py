@@ -144,10 +144,10 @@ class TorchModelDraft:
 
     def _choose(self, logits):
         """-> (token [B], its distribution [B, V] when sampled else None); greedy ties go to the lowest id."""
-        from specdec.acceptance.torch_rule import _sample, warp_probs
+        from specdec.acceptance.torch_rule import _sample, greedy_token, warp_probs
 
         if self.generator is None:
-            return logits.argmax(dim=-1), None
+            return greedy_token(logits), None
         q = warp_probs(logits, self.sampling)
         return _sample(q, self.generator), q
 

@@ -153,7 +153,7 @@ class TorchMtp:
     def steps(self):
         """Yield each draft step's (token [B], its distribution [B, V] or None when greedy, logits [B, V]):
         every step at the pending token's position, over the target's cache as it stands."""
-        from specdec.acceptance.torch_rule import _sample, warp_probs
+        from specdec.acceptance.torch_rule import _sample, greedy_token, warp_probs
 
         text, model = self.cfg.text, self.engine.model
         kv = {}
@@ -167,7 +167,7 @@ class TorchMtp:
         for _ in range(self.k):
             logits, hidden = step(self.params, self.cfg, model._embed(token), hidden, rope, kv, self.tp_group)
             if self.generator is None:
-                token, q = logits.argmax(dim=-1), None
+                token, q = greedy_token(logits), None
             else:
                 q = warp_probs(logits, self.sampling)
                 token = _sample(q, self.generator)
