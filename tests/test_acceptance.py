@@ -113,7 +113,7 @@ def _wide_rows(vocab: int) -> torch.Tensor:
     rng = np.random.default_rng(7)
     rows = rng.integers(-3, 4, size=(8, vocab)).astype(np.float32)
     rows[0, [5, 9, vocab - 3]] = 50.0  # tie within the first block and with the last one
-    rows[1, [vocab - 1, vocab // 2 + 7]] = 50.0  # the later id in the last (padded) block
+    rows[1, [vocab - 1, vocab // 2 + 7]] = 50.0  # a tie whose later id is the last (in a padded block at 5,000)
     rows[2, vocab * 3 // 4], rows[2, 700] = np.nan, 50.0
     rows[3] = -np.inf
     rows[4, 3], rows[4, vocab - 2] = np.inf, np.nan
