@@ -120,10 +120,51 @@ def compiled_prefill(model: GemmaModel):
     return model._compiled_prefill
 
 
+def chunk_positions(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width]: each row's positions lengths[b] + 0..width-1, where its next chunk goes."""
+    return lengths[:, None] + torch.arange(width, device=lengths.device)[None]
+
+
+def cycle_inputs(buffer, context_len, lengths, draft, pad_tokens):
+    """A cycle's forward inputs: each row's pending token (buffer[context_len - 1]), its drafts and `pad_tokens`
+    up to the forward's width, and their positions from lengths."""
+    pending = buffer.gather(1, (context_len - 1)[:, None])
+    tokens = torch.cat([pending, draft, pad_tokens], dim=1)
+    return tokens, chunk_positions(lengths, tokens.shape[1])
+
+
+def emit(buffer, context_len, limit, lengths, draft, draft_len, num_accepted, next_token):
+    """After acceptance: write each row's emitted tokens (its accepted drafts, then the target's token) after its
+    context in `buffer` and advance context_len and lengths in place; -> (emitted [B, k + 1], advance [B], lengths
+    before the advance, and what the host reads of the cycle, packed into one tensor for one copy). Slots past
+    the emitted tokens get junk that the next cycle overwrites (they lie beyond the new context length).
+
+    A row's last cycle may accept past its budget: it keeps no more than the budget, so the cache does not either.
+    Past it, the forwards a finished row rides along in would run its positions off the context."""
+    j = torch.arange(draft.shape[1] + 1, device=draft.device)[None]
+    padded = torch.cat([draft, next_token[:, None]], dim=1)
+    emitted = torch.where(j < num_accepted[:, None], padded, next_token[:, None])
+    slots = (context_len[:, None] + j).clamp(max=buffer.shape[1] - 1)
+    buffer.scatter_(1, slots, emitted)
+    live = context_len < limit
+    advance = torch.minimum(num_accepted + 1, limit - context_len) * live
+    start = lengths.clone()
+    lengths += advance
+    context_len += advance
+    packed = torch.cat([num_accepted[:, None], next_token[:, None], draft_len[:, None], draft], dim=1)
+    return emitted, advance, start, packed
+
+
+def accept_and_emit(buffer, context_len, limit, lengths, draft, draft_len, logits):
+    """Greedy acceptance (accept_greedy), then emit."""
+    num_accepted, next_token = accept_greedy(draft, draft_len, logits)
+    return emit(buffer, context_len, limit, lengths, draft, draft_len, num_accepted, next_token)
+
+
 @functools.cache
 def compiled(fn):
-    """`fn` (a pure function of tensors: drafting, acceptance) under torch.compile, made once per function.
-    In a CUDA graph every small op is a node that costs a few microseconds however little it does; fused,
+    """`fn` (a function of tensors: drafting, acceptance, a cycle's bookkeeping, which updates its buffers in place)
+    under torch.compile, made once per function. In a CUDA graph every small op is a node that costs a few microseconds however little it does; fused,
     an n-gram lookup or an EAGLE-3 step runs a handful of kernels instead of dozens."""
     _configure_compile()
     return torch.compile(fn, fullgraph=True)
@@ -274,9 +315,10 @@ class TorchEngine:
             return tokens
         return torch.cat([tokens, self._pad_tokens[:, : self.width - tokens.shape[1]]], dim=1)
 
-    def _forward(self, tokens: torch.Tensor) -> VerifyOutput:
-        T = tokens.shape[1]
-        positions = self.lengths[:, None] + torch.arange(T, device=self.device)[None]
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> VerifyOutput:
+        """The decode forward of tokens [B, T] at `positions` (default: lengths + 0..T-1)."""
+        if positions is None:
+            positions = chunk_positions(self.lengths, tokens.shape[1])
         logits, hidden = self._model_fn(tokens, positions, self.cache, hidden_layers=self.hidden_layers,
                                         commit_first=True)
         return VerifyOutput(logits, hidden)
@@ -354,15 +396,20 @@ class FusedCycle:
         self.verifier, self.draft_fn, self.k, self.sampling = engine, draft_fn, k, sampling
         self.drafter = draft_fn if k > 0 and hasattr(draft_fn, "observe") else None
         # With the engine's forward compiled, so are the cycle's other pieces (a stateful drafter compiles
-        # its own step); greedy acceptance is an argmax either way (lowest id on ties), so compiling it
-        # changes no token. Sampled acceptance stays eager, as in the host loop: fused floats would round
-        # differently from it.
-        self._accept_greedy = compiled(accept_greedy) if engine.compiles else accept_greedy
+        # its own step): its inputs, greedy acceptance and the bookkeeping after it, in CUDA graphs some twenty
+        # small eager kernels otherwise. Greedy acceptance is an argmax either way (lowest id on ties), and the
+        # rest is integer arithmetic, so compiling changes no token. Sampled acceptance stays eager, as in the
+        # host loop: fused floats would round differently from it.
+        maybe_compiled = compiled if engine.compiles else (lambda fn: fn)
+        self._inputs, self._emit, self._accept_and_emit = map(maybe_compiled, (cycle_inputs, emit, accept_and_emit))
         if engine.compiles and k > 0 and self.drafter is None:
             self.draft_fn = compiled(draft_fn)
+        padding = engine.width - (k + 1) if engine.invariant else 0
+        self._pad_tokens = engine._pad_tokens[:, :padding]
         self.buffer = torch.zeros(engine.batch, engine.max_seq_len + k + 1, dtype=torch.long, device=engine.device)
         self.context_len = torch.zeros(engine.batch, dtype=torch.long, device=engine.device)  # pending included
         self.limit = torch.zeros_like(self.context_len)  # a row advances while context_len < limit
+        self._no_drafts = torch.zeros_like(self.context_len)  # draft_len at k = 0
         self.rows = [SamplingParams()] * engine.batch  # each row's settings, for the host to pick the rule
         self.row_sampling = RowSampling.of(self.rows, engine.device)  # the same on the device
         # Each row's keyed draws at every position [B, max_seq_len, k + 1], made when a sampled row is set.
@@ -434,7 +481,7 @@ class FusedCycle:
     def _draft(self):
         """-> (draft [B, k], draft_len [B], draft probabilities [B, k, V] or None for a point mass)."""
         if self.k == 0:
-            return self.buffer[:, :0], torch.zeros_like(self.context_len), None
+            return self.buffer[:, :0], self._no_drafts, None
         if self.drafter is not None:
             return self.drafter.draft()
         return *self.draft_fn(self.buffer, self.context_len), None
@@ -445,35 +492,23 @@ class FusedCycle:
         return frozenset().union(*(r.filters for r in sampled)) if sampled else None
 
     def _cycle(self, rule: frozenset[str] | None):
-        engine, k = self.verifier, self.k
-        live = self.context_len < self.limit
+        engine = self.verifier
         draft, draft_len, draft_probs = self._draft()
-        pending = self.buffer.gather(1, (self.context_len - 1)[:, None])
-        out = engine._forward(engine.pad(torch.cat([pending, draft], dim=1)))
-        logits = out.logits[:, : k + 1]
+        tokens, positions = self._inputs(self.buffer, self.context_len, engine.lengths, draft, self._pad_tokens)
+        out = engine._forward(tokens, positions)
+        logits = out.logits[:, : self.k + 1]
+        rows = (self.buffer, self.context_len, self.limit, engine.lengths, draft, draft_len)
         if rule is None:
-            num_accepted, next_token = self._accept_greedy(draft, draft_len, logits)
+            emitted, advance, start, packed = self._accept_and_emit(*rows, logits)
         else:  # each row's draws at its pending token's position, which engine.lengths holds
             params = dataclasses.replace(self.row_sampling, filters=rule)
-            rows = torch.arange(engine.batch, device=draft.device)
-            uniform = self.draws[rows, engine.lengths.clamp(max=engine.max_seq_len - 1)]
-            num_accepted, next_token = accept_sampled(draft, draft_len, draft_probs, logits, params, uniform)
-        # Emitted tokens: the accepted drafts, then the target's token; slots past it get junk that
-        # the next cycle overwrites (they lie beyond the new context length).
-        j = torch.arange(k + 1, device=draft.device)[None]
-        padded = torch.cat([draft, next_token[:, None]], dim=1)
-        emitted = torch.where(j < num_accepted[:, None], padded, next_token[:, None])
-        slots = (self.context_len[:, None] + j).clamp(max=self.buffer.shape[1] - 1)
-        self.buffer.scatter_(1, slots, emitted)
-        # A row's last cycle may accept past its budget: it keeps no more than the budget, so the cache does not
-        # either. Past it, the forwards a finished row rides along in would run its positions off the context.
-        advance = torch.minimum(num_accepted + 1, self.limit - self.context_len) * live
+            batch = torch.arange(engine.batch, device=draft.device)
+            uniform = self.draws[batch, engine.lengths.clamp(max=engine.max_seq_len - 1)]
+            accepted = accept_sampled(draft, draft_len, draft_probs, logits, params, uniform)
+            emitted, advance, start, packed = self._emit(*rows, *accepted)
         if self.drafter is not None:
-            self.drafter.observe(out.hidden, emitted, advance, engine.lengths)
-        engine.lengths += advance
-        self.context_len += advance
-        # What the host reads of a cycle, packed into one tensor: one copy to the host.
-        return torch.cat([num_accepted[:, None], next_token[:, None], draft_len[:, None], draft], dim=1)
+            self.drafter.observe(out.hidden, emitted, advance, start)
+        return packed
 
     def _refuse_in_flight(self, what: str) -> None:
         if self._in_flight is not None:

@@ -155,6 +155,34 @@ def test_warm_up_prefill_compiles_every_chunk_length_a_prompt_can_need(random_ch
     assert counters["stats"]["unique_graphs"] == compiled
 
 
+def test_compiled_cycle_pieces_emit_the_eager_cycles_tokens(random_checkpoints, monkeypatch):
+    """A compiling engine's fused cycle traces its inputs, greedy acceptance and bookkeeping whole (fullgraph, with
+    their in-place updates of the token buffer and lengths), and emits the eager cycle's tokens: plain, n-gram and
+    sampled, a row finishing before the other. Traced with dynamo's eager backend, as above; the GPU tests run
+    inductor's kernels."""
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.generate import StopCondition, run_cycles
+    from specdec.sampling import SamplingParams
+    from specdec.verifiers.torch_engine import FusedCycle, compiled
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    compiled.cache_clear()  # made with the backend above, and dropped after
+    try:
+        model = GemmaModel.from_checkpoint(random_checkpoints["gemma3"], max_seq_len=128)
+        prompts = [[2, 5, 6, 7, 5, 6, 7, 5, 6], [2, 9, 9, 9, 9, 9, 9]]
+        draft = NgramDrafter().device_draft_fn("torch", 4)
+        for k, sampling in ((0, SamplingParams()), (4, SamplingParams()), (4, SamplingParams(temperature=0.8, seed=3))):
+            runs = []
+            for compile in (False, True):
+                engine = TorchEngine(model, batch=2, max_seq_len=128, k_max=4, compile=compile)
+                cycle = FusedCycle(engine, draft if k else None, k, sampling)
+                runs.append(run_cycles(cycle, prompts, k, StopCondition(40)).tokens)
+            assert runs[0] == runs[1], (k, sampling)
+            assert [len(row) for row in runs[1]] == [40, 40]
+    finally:
+        compiled.cache_clear()
+
+
 def test_wide_persistent_reductions_hold_after_an_earlier_compilation():
     """Inductor makes each thread's choices handler once: a process that compiled something before the engine's
     first compilation kept inductor's own heuristics while the compile cache's key said ours (a GPU test of the
