@@ -298,8 +298,8 @@ class ChunkContext:
     sin: dict[str, torch.Tensor]
     cached_cos: dict[str, torch.Tensor]  # kind -> [B, 1, S, hd] at stored positions (k_eq_v rebuild)
     cached_sin: dict[str, torch.Tensor]
-    cache_mask: dict[str, torch.Tensor]  # kind -> [B, 1, 1, T, S] bool, True = may attend
-    chunk_mask: dict[str, torch.Tensor] | None  # kind -> [B, 1, 1, T, T]; None: committed first (decode)
+    cache_mask: dict[str, torch.Tensor]  # kind -> [B, 1, T, 1, S] bool, True = may attend (Attention's row order)
+    chunk_mask: dict[str, torch.Tensor] | None  # kind -> [B, 1, T, 1, T]; None: committed first (decode)
     slots: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # kind -> (rows, slot, position) to write
     pending_writes: list  # prefill: (layer index, stored keys [B,n_kv,T,hd], values or None, first KV head)
 
@@ -382,8 +382,9 @@ class Attention(Packed):
         q, *raw_kv = projected
         B, T, _ = q.shape
         q = apply_rope(self.q_norm(q.view(B, T, nkv * groups, hd)), ctx.cos[kind], ctx.sin[kind])
-        # [B, n_kv, groups*T, hd]: query head h uses kv head h // groups
-        q = q.view(B, T, nkv, groups, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, groups * T, hd)
+        # [B, n_kv, T*groups, hd], rows by token, then query head: head h uses kv head h // groups. In this order
+        # the output is [B, T, heads*hd] without a copy where there is one KV head (the 270M: one kernel a layer).
+        q = q.view(B, T, nkv, groups, hd).transpose(1, 2).reshape(B, nkv, T * groups, hd)
 
         if spec.owns_cache:
             k_new, v_new, stored = self.project_kv(raw_kv, ctx)
@@ -412,11 +413,13 @@ class Attention(Packed):
             scores = torch.tanh(scores / self.softcap) * self.softcap
         mask = torch.cat([m for _, _, m in parts], dim=-1)
         width = scores.shape[-1]
-        scores = scores.view(B, nkv, groups, T, width).masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, nkv, groups * T, width)
+        scores = scores.view(B, nkv, T, groups, width).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, nkv, T * groups, width)
         widths = [v.shape[2] for _, v, _ in parts]
-        out = sum(p @ v for p, (_, v, _) in zip(probs.split(widths, dim=-1), parts))
-        return out.view(B, nkv, groups, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nkv * groups * hd)
+        out, *rest = [p @ v for p, (_, v, _) in zip(probs.split(widths, dim=-1), parts)]
+        for product in rest:  # not sum(): its 0 + out would be a kernel of its own
+            out = out + product
+        return out.view(B, nkv, T, groups, hd).transpose(1, 2).reshape(B, T, nkv * groups * hd)
 
 
 class Router(nn.Module):
@@ -741,9 +744,9 @@ class GemmaModel(nn.Module):
                 window = self.cfg.sliding_window
                 cache_mask = cache_mask & (stored[:, None, :] > positions[:, :, None] - window)
                 chunk_mask = chunk_mask & (positions[:, None, :] > positions[:, :, None] - window)
-            ctx.cache_mask[kind] = cache_mask[:, None, None]
+            ctx.cache_mask[kind] = cache_mask[:, None, :, None]
             if not commit_first:
-                ctx.chunk_mask[kind] = chunk_mask[:, None, None]
+                ctx.chunk_mask[kind] = chunk_mask[:, None, :, None]
         return ctx
 
     def _commit(self, ctx: ChunkContext, cache: KVCache) -> None:
