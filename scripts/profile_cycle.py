@@ -25,7 +25,7 @@ import torch
 from specdec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, engine_taps, load_head, random_head
 from specdec.drafters.ngram import NgramDrafter
 from specdec.evidence import git_commit, now_utc
-from specdec.models.config import GemmaConfig
+from specdec.models.config import GemmaConfig, decode_width
 from specdec.models.torch_gemma import GemmaModel
 from specdec.sampling import SamplingParams
 from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
@@ -97,9 +97,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096, help="cache positions")
     parser.add_argument("--out", type=Path, default=Path("profile-cycle.json"))
     args = parser.parse_args()
+    dtype, device, context = torch.bfloat16, "cuda", args.context
+    # Every replay advances the cycle by up to k + 1 positions, and nothing rewinds it between the timings: 3 warm-up
+    # steps, the timed steps and the one they prefetch, the replays back to back, the profiled ones.
+    k = args.k if set(args.methods.split(",")) - {"plain"} else 0
+    needed = args.prompt_tokens + (2 * args.reps + 24) * (k + 1) + decode_width(args.k)
+    if needed > context:
+        sys.exit(f"--context {context} is too short for --reps {args.reps} at k={k}: the cycles may reach position "
+                 f"{needed} (a device-side assert); raise --context or lower --reps")
     if not torch.cuda.is_available():
         sys.exit("profile_cycle needs CUDA")
-    dtype, device, context = torch.bfloat16, "cuda", args.context
     if args.target:
         model = GemmaModel.from_checkpoint(args.target, dtype=dtype, device=device, max_seq_len=context)
     else:
