@@ -164,8 +164,9 @@ def accept_and_emit(buffer, context_len, limit, lengths, draft, draft_len, logit
 @functools.cache
 def compiled(fn):
     """`fn` (a function of tensors: drafting, acceptance, a cycle's bookkeeping, which updates its buffers in place)
-    under torch.compile, made once per function. In a CUDA graph every small op is a node that costs a few microseconds however little it does; fused,
-    an n-gram lookup or an EAGLE-3 step runs a handful of kernels instead of dozens."""
+    under torch.compile, made once per function. In a CUDA graph every small op is a node that costs a few
+    microseconds however little it does; fused, an n-gram lookup or an EAGLE-3 step runs a handful of kernels
+    instead of dozens."""
     _configure_compile()
     return torch.compile(fn, fullgraph=True)
 
@@ -311,9 +312,12 @@ class TorchEngine:
     def pad(self, tokens: torch.Tensor) -> torch.Tensor:
         """[B, T] tokens as the forward runs them: padded to the decode width in invariant mode. Pad rows
         come after the real ones (causal), and their cache writes lie past them: rolled back like drafts."""
-        if not self.invariant or tokens.shape[1] == self.width:
-            return tokens
-        return torch.cat([tokens, self._pad_tokens[:, : self.width - tokens.shape[1]]], dim=1)
+        padding = self.padding(tokens.shape[1])
+        return tokens if padding.shape[1] == 0 else torch.cat([tokens, padding], dim=1)
+
+    def padding(self, T: int) -> torch.Tensor:
+        """The pad tokens `pad` appends to a chunk of T tokens, [B, 0..width-1] (none outside invariant mode)."""
+        return self._pad_tokens[:, : self.width - T if self.invariant else 0]
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> VerifyOutput:
         """The decode forward of tokens [B, T] at `positions` (default: lengths + 0..T-1)."""
@@ -404,8 +408,7 @@ class FusedCycle:
         self._inputs, self._emit, self._accept_and_emit = map(maybe_compiled, (cycle_inputs, emit, accept_and_emit))
         if engine.compiles and k > 0 and self.drafter is None:
             self.draft_fn = compiled(draft_fn)
-        padding = engine.width - (k + 1) if engine.invariant else 0
-        self._pad_tokens = engine._pad_tokens[:, :padding]
+        self._pad_tokens = engine.padding(k + 1)
         self.buffer = torch.zeros(engine.batch, engine.max_seq_len + k + 1, dtype=torch.long, device=engine.device)
         self.context_len = torch.zeros(engine.batch, dtype=torch.long, device=engine.device)  # pending included
         self.limit = torch.zeros_like(self.context_len)  # a row advances while context_len < limit
