@@ -158,7 +158,7 @@ def test_warm_up_prefill_compiles_every_chunk_length_a_prompt_can_need(random_ch
 def test_compiled_cycle_pieces_emit_the_eager_cycles_tokens(random_checkpoints, monkeypatch):
     """A compiling engine's fused cycle traces its inputs, greedy acceptance and bookkeeping whole (fullgraph, with
     their in-place updates of the token buffer and lengths), and emits the eager cycle's tokens: plain, n-gram and
-    sampled, a row finishing before the other. Traced with dynamo's eager backend, as above; the GPU tests run
+    sampled. Traced with dynamo's eager backend, as above; the GPU tests run
     inductor's kernels."""
     from specdec.drafters.ngram import NgramDrafter
     from specdec.generate import StopCondition, run_cycles
