@@ -101,6 +101,23 @@ def test_compiling_sets_wide_persistent_reductions_unless_the_user_chose():
         assert config.inductor_choices_class is object
 
 
+def test_compiling_turns_on_dependent_launches_unless_the_environment_decides(monkeypatch):
+    from torch._inductor import config
+
+    from specdec.verifiers.torch_engine import compiled
+
+    if not hasattr(config.triton, "enable_pdl"):
+        pytest.skip("this torch has no programmatic dependent launch")
+    monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
+    with config.patch({"triton.enable_pdl": False}):
+        compiled(torch.sin)  # functions no other test compiles (`compiled` configures once per function)
+        assert config.triton.enable_pdl
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "0")
+    with config.patch({"triton.enable_pdl": False}):
+        compiled(torch.cos)
+        assert not config.triton.enable_pdl
+
+
 @pytest.mark.gpu
 def test_norms_over_the_hidden_size_compile_to_one_pass():
     """A 16-row RMSNorm over 5,376 (the 31B's hidden size) compiles to a persistent reduction ("triton_per_"),
