@@ -60,7 +60,7 @@ def _configure_compile(model: GemmaModel | None = None) -> None:
         V.set_choices_handler(wide_persistent_reductions())
     # Programmatic dependent launch (inductor's, on Hopper and later): each Triton kernel is launched while the
     # one before it drains, and waits in-kernel for the values it reads. The same kernels in the same order, so
-    # the same bits; a 270M cycle on an H100 took 0.800 ms without, 0.724-0.728 with (docs/benchmarks.md, issue
+    # the same bits; a 270M cycle on an H100 took 0.800 ms without, 0.721-0.728 with (docs/benchmarks.md, issue
     # 11). TORCHINDUCTOR_ENABLE_PDL, where set, decides instead.
     if hasattr(config.triton, "enable_pdl") and "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
         config.triton.enable_pdl = True
