@@ -57,8 +57,8 @@ if available():
     @triton.jit
     def _stream_block(base_ptr, delta_ptr, delta_w_ptr, rows, cols, row_ok, k_ok, stride_base, stride_delta,
                      delta_scale, offset, HAS_DELTA: tl.constexpr):
-        """The residual stream's block [BLOCK_M, BLOCK_K] in float32: base + delta_norm(delta), each rounded to
-        the stream's dtype as the layer's own operations round them."""
+        """The residual stream's block [BLOCK_M, BLOCK_K]: base + delta_norm(delta), computed in float32 and each
+        rounded to the stream's dtype as the layer's own operations round them."""
         mask = row_ok[:, None] & k_ok[None, :]
         base = tl.load(base_ptr + rows[:, None] * stride_base + cols[None, :], mask=mask, other=0.0)
         if HAS_DELTA:
@@ -145,7 +145,7 @@ if available():
         out = base.new_empty(rows, columns)
         stream = torch.empty_like(base2)
         block_n, block_k = block_sizes(columns, hidden)
-        grid = (_cdiv(columns, block_n), _cdiv(rows, BLOCK_M))
+        grid = (triton.cdiv(columns, block_n), triton.cdiv(rows, BLOCK_M))
         wrap_triton(_norm_linear_kernel)[grid](
             base2, delta2, norm_weight if delta_weight is None else delta_weight, norm_weight, weight, out, stream,
             rows, hidden, columns,
@@ -155,10 +155,6 @@ if available():
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         )
         return out.view(*base.shape[:-1], columns), stream.view(base.shape)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def norm_linear(base: torch.Tensor, delta: torch.Tensor | None, delta_weight: torch.Tensor | None,
