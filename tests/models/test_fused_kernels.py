@@ -55,7 +55,8 @@ def fused(ops, cfg, gated, with_delta=True):
                                      cfg.rms_norm_eps, cfg.norm_weight_offset, cfg.is_gemma4, gated)
 
 
-SHAPES = [(16, 640, 256), (5, 256, 96), (20, 192, 64)]  # the 270M's hidden size; 64-wide reduction blocks; two row blocks
+# (rows, hidden, columns): the 270M's hidden size; fewer rows than a block; 64-wide reduction blocks over two row blocks
+SHAPES = [(16, 640, 256), (5, 256, 96), (20, 192, 64)]
 
 
 @needs_kernels
@@ -116,7 +117,8 @@ def test_under_triton_interpreter():
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_dense", "gemma4_e", "gemma4_moe"])
 def test_compiled_decode_forward_fused_matches_unfused(random_checkpoints, variant, monkeypatch):
     """The compiled decode forward with its fused kernels against the same forward without them: the same
-    logits but for rounding, and the same greedy tokens; and the fused path did run."""
+    logits but for rounding, and nine in ten greedy picks the same at least (bf16 rounding may flip a near-tie);
+    and the fused path did run."""
     if not ON_CUDA:
         pytest.skip("needs CUDA")
     from specdec.models.torch_gemma import GemmaModel
