@@ -147,7 +147,8 @@ if available():
         block_n, block_k = block_sizes(columns, hidden)
         grid = (triton.cdiv(columns, block_n), triton.cdiv(rows, BLOCK_M))
         wrap_triton(_norm_linear_kernel)[grid](
-            base2, delta2, norm_weight if delta_weight is None else delta_weight, norm_weight, weight, out, stream,
+            base2, delta2, norm_weight if delta_weight is None else delta_weight,  # (placeholders without a delta)
+            norm_weight, weight, out, stream,
             rows, hidden, columns,
             base2.stride(0), delta2.stride(0), weight.stride(0), out.stride(0), stream.stride(0),
             eps, offset,

@@ -838,8 +838,9 @@ class GemmaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             stream = layer(stream, per_layer[:, :, i] if per_layer is not None else None, ctx, cache, shared_kv)
             for n, tapped in enumerate(hidden_layers):
-                if tapped == i:
-                    taps[n] = stream.materialize()
+                if tapped == i:  # added up once, for the tap and the next layer alike
+                    stream = Residual(stream.materialize())
+                    taps[n] = stream.base
         if not commit_first:
             self._commit(ctx, cache)
         hidden = torch.stack(taps, dim=2) if hidden_layers else None
