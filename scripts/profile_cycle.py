@@ -95,8 +95,6 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--methods", default="plain,ngram,eagle3", help="comma-separated: plain, ngram, eagle3")
     parser.add_argument("--context", type=int, default=4096, help="cache positions")
-    parser.add_argument("--fused-kernels", action="store_true",
-                        help="the layers' fused norm + GEMM kernels (GemmaModel.fused_kernels, off by default)")
     parser.add_argument("--out", type=Path, default=Path("profile-cycle.json"))
     args = parser.parse_args()
     dtype, device, context = torch.bfloat16, "cuda", args.context
@@ -113,7 +111,6 @@ def main() -> None:
         model = GemmaModel.from_checkpoint(args.target, dtype=dtype, device=device, max_seq_len=context)
     else:
         model = GemmaModel.random(GemmaConfig.from_file(args.config), dtype, device, context)
-    model.fused_kernels = args.fused_kernels
     cfg = model.cfg
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20000, args.prompt_tokens)]
     plain_engine = TorchEngine(model, max_seq_len=context, k_max=args.k)
@@ -162,8 +159,7 @@ def main() -> None:
     record = {"benchmark": "profile_cycle", "date": now_utc(), "commit": git_commit(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(dtype),
               "model": str(args.target or args.config), "weights": "checkpoint" if args.target else "random",
-              "head": str(args.head or "random") if "eagle3" in args.methods else None,
-              "fused_kernels": args.fused_kernels, "invariant_width": plain_engine.width,
+              "head": str(args.head or "random") if "eagle3" in args.methods else None, "invariant_width": plain_engine.width,
               "prompt_tokens": len(prompt), "rows": rows}
     args.out.write_text(json.dumps(record, indent=1))
     print(f"\n{record['device']} · {record['commit']} · width {plain_engine.width} · k {args.k}")

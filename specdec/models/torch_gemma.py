@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models import fused_kernels
 from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tensor_parallel, rope_inv_freq,
                                    tp_split_axis, vocab_rows)
 
@@ -134,19 +133,6 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.cfg)
 
 
-@dataclass
-class Residual:
-    """The residual stream as `base + delta_norm(delta)`: a sublayer's output not yet added to it, so that the
-    next GEMM's fused kernel can add and normalise it (fused_kernels); delta None: `base` alone."""
-
-    base: torch.Tensor
-    delta: torch.Tensor | None = None
-    delta_norm: RMSNorm | None = None
-
-    def materialize(self) -> torch.Tensor:
-        return self.base if self.delta is None else self.base + self.delta_norm(self.delta)
-
-
 def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
     """The devices' `x` [N, ...] concatenated along the first dimension in rank order, [devices * N, ...]. A
     functional collective, so torch.compile traces it and CUDA graphs capture it."""
@@ -236,32 +222,14 @@ class Packed(nn.Module):
             start += rows
         self.packed = packed
 
-    def _weight(self, part: int) -> torch.Tensor:
-        if self.parts is None:
-            return self.packed if self.packed is not None else torch.cat([lin.weight for lin in self.linears()])
-        return self.packed[part]  # packed as GemmaModel's constructors leave it: each linear's weight [parts, rows, in]
-
-    def _sizes(self) -> list[int]:
-        return [lin.weight.shape[-2] for lin in self.linears()]
-
     def project(self, x: torch.Tensor, part: int = 0) -> list[torch.Tensor]:
         """x through every linear of `names` the module has, in that order (in `parts`: their rows of `part`)."""
-        return list(linear(x, self._weight(part)).split(self._sizes(), dim=-1))
-
-    def project_stream(self, stream: Residual, norm: RMSNorm, fused: bool,
-                       gated: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(every linear over norm(stream), as project; with `gated`, gelu_gate of the two; the stream added up).
-        `fused`: in one kernel (fused_kernels), which needs the module whole (no `parts`)."""
-        if not fused:
-            x = stream.materialize()
-            outputs = self.project(norm(x))
-            return ([gelu_gate(*outputs)] if gated else outputs), x
-        delta_weight = None if stream.delta is None else stream.delta_norm.weight
-        out, x = fused_kernels.norm_linear(stream.base, stream.delta, delta_weight, norm.weight, self._weight(0),
-                                           norm.cfg.rms_norm_eps, norm.cfg.norm_weight_offset, norm.cfg.is_gemma4,
-                                           gated)
-        x = stream.base if stream.delta is None else x
-        return ([out] if gated else list(out.split(self._sizes(), dim=-1))), x
+        linears = self.linears()
+        if self.parts is None:
+            weight = self.packed if self.packed is not None else torch.cat([lin.weight for lin in linears])
+        else:  # packed as GemmaModel's constructors leave it: each linear's weight [parts, rows of a part, in]
+            weight = self.packed[part]
+        return list(linear(x, weight).split([lin.weight.shape[-2] for lin in linears], dim=-1))
 
     def combine(self, outputs, group) -> torch.Tensor:
         """The row-parallel linear's output: over `outputs` (one input per part, in `parts`; else the one input),
@@ -280,14 +248,10 @@ class MLP(Packed):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, stream: Residual, norm: RMSNorm, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the MLP of norm(stream), the stream added up)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts is None:
-            (gated,), x = self.project_stream(stream, norm, fused, gated=True)
-            return self.combine(gated, self.tp_group), x
-        x = stream.materialize()
-        normed = norm(x)
-        return self.combine([gelu_gate(*self.project(normed, part)) for part in range(self.parts)], self.tp_group), x
+            return self.combine(gelu_gate(*self.project(x)), self.tp_group)
+        return self.combine([gelu_gate(*self.project(x, part)) for part in range(self.parts)], self.tp_group)
 
 
 @dataclass
@@ -338,7 +302,6 @@ class ChunkContext:
     chunk_mask: dict[str, torch.Tensor] | None  # kind -> [B, 1, T, 1, T]; None: committed first (decode)
     slots: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # kind -> (rows, slot, position) to write
     pending_writes: list  # prefill: (layer index, stored keys [B,n_kv,T,hd], values or None, first KV head)
-    fused: bool = False  # the layers' GEMMs run with their norms in Triton kernels (GemmaModel.fuses)
 
     @property
     def committed_first(self) -> bool:
@@ -401,15 +364,11 @@ class Attention(Packed):
         v = v.transpose(1, 2)
         return k, v, (k, v)
 
-    def forward(self, stream: Residual, norm: RMSNorm, ctx: ChunkContext, cache: KVCache, shared_kv: dict):
-        """(attention over norm(stream) through o_proj, the stream added up)."""
+    def forward(self, x, ctx: ChunkContext, cache: KVCache, shared_kv: dict):
         if self.parts is None:
-            projected, x = self.project_stream(stream, norm, ctx.fused)
-            return self.combine(self._attend(projected, 0, ctx, cache, shared_kv), self.tp_group), x
-        x = stream.materialize()
-        normed = norm(x)
-        return self.combine([self._attend(self.project(normed, part), part, ctx, cache, shared_kv)
-                             for part in range(self.parts)], self.tp_group), x
+            return self.combine(self._attend(self.project(x), 0, ctx, cache, shared_kv), self.tp_group)
+        return self.combine([self._attend(self.project(x, part), part, ctx, cache, shared_kv)
+                             for part in range(self.parts)], self.tp_group)
 
     def _attend(self, projected: list[torch.Tensor], part: int, ctx: ChunkContext, cache: KVCache, shared_kv: dict):
         """Attention of one part's query heads over its KV heads (in `parts`; else of every head here) from their
@@ -546,27 +505,23 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_2 = RMSNorm(h, cfg)
             self.pre_feedforward_layernorm_2 = RMSNorm(h, cfg)
 
-    def forward(self, stream: Residual, per_layer_input, ctx: ChunkContext, cache: KVCache,
-                shared_kv: dict) -> Residual:
-        """The residual stream after this layer. Each sublayer's output is left for the next one to add (Residual),
-        so the fused kernels of a decode forward add and normalise it in their GEMMs."""
-        attn, x = self.self_attn(stream, self.input_layernorm, ctx, cache, shared_kv)
-        h, x = self.mlp(Residual(x, attn, self.post_attention_layernorm), self.pre_feedforward_layernorm, ctx.fused)
+    def forward(self, x, per_layer_input, ctx: ChunkContext, cache: KVCache, shared_kv: dict):
+        residual = x
+        x = residual + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx, cache, shared_kv))
+        residual = x
+        h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.moe:
-            flat = x.reshape(-1, x.shape[-1])
+            flat = residual.reshape(-1, residual.shape[-1])
             weights, index = self.router(flat)
-            moe_out = self.experts(self.pre_feedforward_layernorm_2(flat), weights, index).reshape(x.shape)
+            moe_out = self.experts(self.pre_feedforward_layernorm_2(flat), weights, index).reshape(residual.shape)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
-        stream = Residual(x, h, self.post_feedforward_layernorm)
-        if not (self.has_ple or self.gemma4):
-            return stream
-        x = stream.materialize()
+        x = residual + self.post_feedforward_layernorm(h)
         if self.has_ple:
             gated = gelu_gate(linear(x, self.per_layer_input_gate.weight), per_layer_input)
             x = x + self.post_per_layer_input_norm(linear(gated, self.per_layer_projection.weight))
         if self.gemma4:
             x = x * self.layer_scalar
-        return Residual(x)
+        return x
 
 
 def check_tp_parts(cfg: GemmaConfig, parts: int, devices: int) -> None:
@@ -650,7 +605,6 @@ class GemmaModel(nn.Module):
             self.per_layer_model_projection = nn.Linear(h, ple, bias=False)
             self.per_layer_projection_norm = RMSNorm(cfg.hidden_size_per_layer_input, cfg)
         self.max_seq_len = max_seq_len
-        self.fused_kernels = False  # opt-in: see fuses()
         self._build_rope_tables()
 
     def _build_rope_tables(self) -> None:
@@ -759,16 +713,6 @@ class GemmaModel(nn.Module):
         context = self.per_layer_projection_norm(context.view(B, T, cfg.num_layers, p))
         return (context + token_part) * (2.0**-0.5)
 
-    def fuses(self, x: torch.Tensor) -> bool:
-        """Whether a forward of hidden states `x` runs its layers' norms and GEMMs as fused Triton kernels
-        (fused_kernels): where `fused_kernels` is set (off by default: the first version made the 270M's cycle
-        36% slower on an H100, docs/benchmarks.md), compiled on CUDA, in bf16 or fp16, for the few rows of a
-        decode forward (at most SPLIT_MAX_ROWS, where `linear` splits products too), with every weight whole on
-        this device (no `tp_parts`)."""
-        return (self.fused_kernels and fused_kernels.available() and x.is_cuda and self.parts is None
-                and x.dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling()
-                and x.numel() // x.shape[-1] <= SPLIT_MAX_ROWS)
-
     def _context(self, positions: torch.Tensor, cache: KVCache, commit_first: bool) -> ChunkContext:
         """RoPE rows, masks and slots of a chunk. Committing first, the chunk's positions enter their slots
         now and each row may attend to the stored positions <= its own; otherwise to the stored positions
@@ -829,22 +773,18 @@ class GemmaModel(nn.Module):
         x = self._embed(tokens)
         per_layer = self._per_layer_inputs(tokens, x) if cfg.has_per_layer_inputs else None
         ctx = self._context(positions, cache, commit_first)
-        ctx.fused = self.fuses(x)
         shared_kv: dict = {}
         # Taps by position, compared one by one: once calls have tapped different layers, torch.compile's
         # automatic dynamic shapes make the indices symbolic, and a dict keyed by them would miss.
         taps = [None] * len(hidden_layers)
-        stream = Residual(x)
         for i, layer in enumerate(self.layers):
-            stream = layer(stream, per_layer[:, :, i] if per_layer is not None else None, ctx, cache, shared_kv)
+            x = layer(x, per_layer[:, :, i] if per_layer is not None else None, ctx, cache, shared_kv)
             for n, tapped in enumerate(hidden_layers):
-                if tapped == i:  # added up once, for the tap and the next layer alike
-                    stream = Residual(stream.materialize())
-                    taps[n] = stream.base
+                if tapped == i:
+                    taps[n] = x
         if not commit_first:
             self._commit(ctx, cache)
         hidden = torch.stack(taps, dim=2) if hidden_layers else None
-        x = stream.materialize()
         x = self.norm(x[:, -1:] if last_only else x)
         head = self.lm_head.weight if not cfg.tie_word_embeddings else self.embed_tokens.weight
         if self.parts is None:
