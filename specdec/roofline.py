@@ -154,7 +154,10 @@ def time_plain_decode(new_cycle, prompt: list[int], args, first_steps: int, warm
     seconds_per_step(new_cycle(), prompt, first_steps, warm_up)
     log(f"  {first_run} in {time.perf_counter() - start:.1f} s")
     step = seconds_per_step(new_cycle(), prompt, args.steps, warm_up)
-    return step, greedy_tokens(new_cycle(), prompt, args.tokens)
+    log(f"  {args.steps} steps timed: {1e3 * step:.3f} ms a step")
+    tokens = greedy_tokens(new_cycle(), prompt, args.tokens)
+    log(f"  {len(tokens)} greedy tokens decoded")
+    return step, tokens
 
 
 def logits_digest(engine, prompt: list[int]) -> str:
@@ -217,6 +220,7 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         step, tokens = time_plain_decode(lambda: FusedCycle(engine, None, 0), prompt, args, 8, 3,
                                          "compiled and captured")
         digest = logits_digest(engine, prompt)
+        log(f"  logits digest {digest}")
 
         def verify_s(width: int) -> float:
             per_width = TorchEngine(model, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
@@ -239,8 +243,10 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
     if tp > 1:
         # Both ranks reach the teardown before either closes its connections: one rank's gloo, torn down while the
         # other still held the pair, aborted ("terminate called without an active exception", 1 run in 6).
+        log(f"  rank {rank}: at the teardown barrier")
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        if not cuda:  # NCCL's teardown hangs once its collectives were captured in CUDA graphs (pytorch#115388,
+            torch.distributed.destroy_process_group()  # seen on two H100s): its ranks leave by os._exit (main)
     if rank > 0:
         return None
     return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": dtype.itemsize,
@@ -496,6 +502,10 @@ def main(argv: list[str] | None = None) -> None:
         result = child(engine, name, int(tp), args)
         if result is not None:
             print(json.dumps(result))
+        if engine == "torch" and int(tp) > 1:  # past the ranks' barrier: nothing is left to wait for
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         return
     record, failed = (merge(args.replot), []) if args.replot else run_all(args)
     print(table(record))
