@@ -245,8 +245,10 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         # other still held the pair, aborted ("terminate called without an active exception", 1 run in 6).
         log(f"  rank {rank}: at the teardown barrier")
         torch.distributed.barrier()
-        if not cuda:  # NCCL's teardown hangs once its collectives were captured in CUDA graphs (pytorch#115388,
-            torch.distributed.destroy_process_group()  # seen on two H100s): its ranks leave by os._exit (main)
+        # NCCL's teardown hangs once its collectives were captured in CUDA graphs (pytorch#115388, seen on two
+        # H100s): its ranks leave by os._exit instead (main).
+        if not cuda:
+            torch.distributed.destroy_process_group()
     if rank > 0:
         return None
     return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": dtype.itemsize,
