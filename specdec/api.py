@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -169,20 +170,39 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
     return verifier, cfg
 
 
-def init_distributed() -> int:
-    """Join the torch.distributed group that torchrun set up, one process per device (NCCL on GPUs, each
-    process on its LOCAL_RANK's GPU; gloo on the CPU); -> this process's rank."""
+def init_distributed(cuda: bool | None = None) -> int:
+    """Join the torch.distributed group that torchrun set up, one process per device: NCCL with each process on
+    its LOCAL_RANK's GPU, or gloo on the CPU (`cuda` False, or no GPU); -> this process's rank. Leave it with
+    leave_distributed."""
     import torch
     import torch.distributed as dist
 
     if "WORLD_SIZE" not in os.environ:
         raise SpecdecError("tensor parallelism in the torch engine runs one process per device: launch with "
                            "torchrun --nproc-per-node N")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     if not dist.is_initialized():
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
     return dist.get_rank()
+
+
+def leave_distributed() -> None:
+    """Leave the group once this process's work is done and its output written. The ranks meet first: a gloo
+    rank torn down while the other still held their pair aborted ("terminate called without an active
+    exception", 1 run in 6). Over NCCL the process ends here, by os._exit: NCCL's teardown hangs once its
+    collectives were captured in CUDA graphs (pytorch#115388, seen on two H100s)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    if dist.get_backend() == "nccl":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()
 
 
 def _torch_tp_group(tensor_parallel: int):

@@ -118,16 +118,12 @@ def generate(
     if rank == 0:
         err.print(f"[dim]{engine} · drafter {drafter if s.k else 'none'} · k={s.k} · {s.summary()}[/dim]",
                   highlight=False, soft_wrap=True)
+    if tensor_parallel > 1 and engine == "torch":
+        from specdec.api import leave_distributed
+
+        leave_distributed()
     global skip_teardown
-    # Its text is written and its programs are in the persistent caches. torchrun's gloo processes end their group;
-    # NCCL's teardown hung on two H100s once its collectives had been captured in CUDA graphs (pytorch#115388).
-    skip_teardown = tensor_parallel == 1 or (engine == "torch" and _nccl_initialized())
-
-
-def _nccl_initialized() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    skip_teardown = tensor_parallel == 1  # its text is written and its programs are in the persistent caches
 
 
 @app.command()

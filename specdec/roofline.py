@@ -205,11 +205,11 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
     if tp > 1:
         import torch.distributed as dist
 
+        from specdec.api import init_distributed
+
+        rank, group = init_distributed(cuda), dist.group.WORLD
         if cuda:
-            device = f"cuda:{os.environ['LOCAL_RANK']}"
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo")
-        group, rank = dist.group.WORLD, dist.get_rank()
+            device = f"cuda:{torch.cuda.current_device()}"
     if checkpoint:
         model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=CONTEXT, tp_group=group,
                                            tp_parts=args.tp_parts)
@@ -240,15 +240,6 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         end.record()
         torch.cuda.synchronize()
         bandwidth = 2 * x.numel() * 10 / (begin.elapsed_time(end) / 1e3)
-    if tp > 1:
-        # Both ranks reach the teardown before either closes its connections: one rank's gloo, torn down while the
-        # other still held the pair, aborted ("terminate called without an active exception", 1 run in 6).
-        log(f"  rank {rank}: at the teardown barrier")
-        torch.distributed.barrier()
-        # NCCL's teardown hangs once its collectives were captured in CUDA graphs (pytorch#115388, seen on two
-        # H100s): its ranks leave by os._exit instead (main).
-        if not cuda:
-            torch.distributed.destroy_process_group()
     if rank > 0:
         return None
     return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": dtype.itemsize,
@@ -504,10 +495,11 @@ def main(argv: list[str] | None = None) -> None:
         result = child(engine, name, int(tp), args)
         if result is not None:
             print(json.dumps(result))
-        if engine == "torch" and int(tp) > 1:  # past the ranks' barrier: nothing is left to wait for
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+        if engine == "torch" and int(tp) > 1:
+            from specdec.api import leave_distributed
+
+            log(f"  rank {os.environ['RANK']}: leaving the group")
+            leave_distributed()
         return
     record, failed = (merge(args.replot), []) if args.replot else run_all(args)
     print(table(record))
