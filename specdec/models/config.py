@@ -31,6 +31,13 @@ def decode_width(k_max: int) -> int:
     return round_up(k_max + 1, ROW_MULTIPLE)
 
 
+# A sliding ring's slots come in multiples of 64. Of 8: the attention products' rows are 16-byte aligned, which
+# cuBLAS's fast kernels need (a 527-slot ring ran the 270M's on an sm75 fallback, ~6 us each on an H200). Of 64:
+# XLA splits the value product's reduction over the slots 8 ways in chunks of a multiple of 8, and padded a
+# 528-slot ring to 576 to do so, two copies per sliding layer and step (H100).
+RING_ALIGN = 64
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -181,9 +188,8 @@ class GemmaConfig:
         committed length overwrites a position still inside a query's window (DESIGN.md, "Rules that keep
         it lossless"). `lookahead` more slots for a cache whose decode forwards chain that many positions
         past the committed length before it catches up (a model drafter's draft steps). Rounded up to a
-        multiple of 8: the attention products' rows are then 16-byte aligned, which cuBLAS's fast kernels
-        need (a 527-slot ring ran the 270M's on an sm75 fallback, ~6 us each on an H200)."""
-        ring = round_up(self.sliding_window + decode_width(k_max) - 1 + lookahead, 8)
+        multiple of RING_ALIGN slots (engine-neutral; see there)."""
+        ring = round_up(self.sliding_window + decode_width(k_max) - 1 + lookahead, RING_ALIGN)
         return {FULL: max_seq_len, SLIDING: min(ring, max_seq_len)}
 
     def kv_cache_shapes(self, batch: int, max_seq_len: int, k_max: int,

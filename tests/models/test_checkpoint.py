@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from specdec.errors import SpecdecError
 from specdec.models.checkpoint import load_checkpoint, save_checkpoint
-from specdec.models.config import GemmaConfig, decode_width
+from specdec.models.config import RING_ALIGN, GemmaConfig, decode_width
 from specdec.models.torch_gemma import GemmaModel
 
 
@@ -103,10 +103,11 @@ def test_gemma4_config_forms_agree(random_checkpoints):
 
 @pytest.mark.parametrize("k_max, lookahead", [(8, 0), (4, 0), (4, 3)])
 def test_sliding_ring_holds_a_window_and_a_forward_in_aligned_rows(random_checkpoints, k_max, lookahead):
-    """Every slot a query's window and a decode forward need, and rows of a multiple of 8 slots: a 527-slot
-    ring sent the attention products to a slow unaligned cuBLAS path. A ring longer than the context is cut."""
+    """Every slot a query's window and a decode forward need, and rows of a multiple of RING_ALIGN slots: a
+    527-slot ring sent the attention products to a slow unaligned cuBLAS path, and XLA padded a 528-slot one.
+    A ring longer than the context is cut."""
     cfg = GemmaConfig.from_dict(json.loads((random_checkpoints["gemma3"] / "config.json").read_text()))
     needed = cfg.sliding_window + decode_width(k_max) - 1 + lookahead
     ring = cfg.cache_slots(max_seq_len=4096, k_max=k_max, lookahead=lookahead)["sliding_attention"]
-    assert needed <= ring < needed + 8 and ring % 8 == 0
+    assert needed <= ring < needed + RING_ALIGN and ring % RING_ALIGN == 0 and RING_ALIGN % 8 == 0
     assert cfg.cache_slots(max_seq_len=needed - 1, k_max=k_max, lookahead=lookahead)["sliding_attention"] == needed - 1
