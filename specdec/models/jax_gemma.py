@@ -204,7 +204,7 @@ def _chunk_context(cfg: GemmaConfig, positions, cache: Cache, dtype, commit_firs
             cache_mask = cache_mask & (stored[:, None, :] > positions[:, :, None] - window)
             chunk_mask = chunk_mask & (positions[:, None, :] > positions[:, :, None] - window)
         mask = cache_mask if commit_first else jnp.concatenate([cache_mask, chunk_mask], axis=-1)
-        ctx["mask"][kind] = mask[:, None, None]  # [B, 1, 1, T, S (+T)]
+        ctx["mask"][kind] = mask[:, None, :, None]  # [B, 1, T, 1, S (+T)]
     return ctx
 
 
@@ -274,9 +274,11 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
         k_old = _keys_from_stored(k_old, k_norm, ctx["cached_cos"][kind], ctx["cached_sin"][kind])
 
     # Decode: the cache alone. Prefill: [cached slots | this chunk] without concatenating the cache; scores
-    # are joined for one softmax, then split again for the value products.
+    # are joined for one softmax, then split again for the value products. A KV head's rows run by token, then
+    # query head, as in torch_gemma: XLA then lays the scores out slot-contiguous, and the softmax over them took
+    # 2.3 us a sliding layer on an H100, against 5.0 us with rows by head.
     parts = [(k_old, v_old)] if ctx["commit_first"] else [(k_old, v_old), (k_new, v_new)]
-    scores = jnp.concatenate([jnp.einsum("btkgd,bksd->bkgts", q, k) for k, _ in parts], axis=-1)
+    scores = jnp.concatenate([jnp.einsum("btkgd,bksd->bktgs", q, k) for k, _ in parts], axis=-1)
     scores = scores * cfg.attention_scale
     if cfg.attn_logit_softcapping is not None:
         cap = cfg.attn_logit_softcapping
@@ -284,7 +286,7 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
     scores = jnp.where(ctx["mask"][kind], scores, -jnp.inf)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
     splits = np.cumsum([v.shape[2] for _, v in parts])[:-1]
-    out = sum(jnp.einsum("bkgts,bksd->btkgd", p_, v) for p_, (_, v) in zip(jnp.split(probs, splits, axis=-1), parts))
+    out = sum(jnp.einsum("bktgs,bksd->btkgd", p_, v) for p_, (_, v) in zip(jnp.split(probs, splits, axis=-1), parts))
     return _linear(out.reshape(B, T, cfg.num_heads * hd), params[p + "o_proj.weight"])
 
 
