@@ -1,6 +1,7 @@
-"""A/B pairs of `scripts/profile_cycle.py` records as bars: each cycle's GPU ms, before and after, one panel per pair
-(the two runs of a pair share a machine; pairs may not), with the ms and kernels per cycle on each bar. The axis
-starts at 80% of the shortest cycle, so that changes of a few percent show: read the numbers.
+"""A/B pairs of `scripts/profile_cycle.py` records (torch: each cycle's GPU ms) or `scripts/profile_jax_cycle.py` records
+(JAX: each cycle's wall ms, plain decoding) as bars, before and after, one panel per pair (the two runs of a pair share
+a machine; pairs may not), with the ms and kernels per cycle on each bar. Each panel's axis starts at 80% of its
+shortest cycle, so that changes of a few percent show: read the numbers.
 
     python scripts/plot_profile_ab.py out.png "title" BEFORE.json AFTER.json [BEFORE.json AFTER.json ...]
 """
@@ -15,9 +16,23 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def name_part(path: Path, index: int) -> str:
+    """Part `index` of a record's file name, profile-cycle-<device>-<model>-<package>-<what>.json (0: the device),
+    or profile-jax-cycle-..."""
+    parts = path.stem.split("-")
+    return parts[index + (3 if parts[1] == "jax" else 2)]
+
+
 def label(path: Path) -> str:
-    """The package a record measured, from its file name (profile-cycle-<device>-<model>-<package>-<what>.json)."""
-    return path.stem.split("-")[4]
+    """The package a record measured."""
+    return name_part(path, 2)
+
+
+def cycles(record: dict) -> dict[str, tuple[float, float]]:
+    """method -> (ms, kernels) per cycle."""
+    if "rows" in record:
+        return {r["method"]: (r["cycle_gpu_ms"], r["kernels"]["per_replay"]) for r in record["rows"]}
+    return {"plain": (record["cycle_wall_ms"], record["kernels"]["per_cycle"])}
 
 
 def main() -> None:
@@ -25,25 +40,22 @@ def main() -> None:
     if not paths or len(paths) % 2:
         sys.exit("give pairs of records: BEFORE.json AFTER.json ...")
     pairs = [(Path(a), Path(b)) for a, b in zip(paths[::2], paths[1::2])]
-    fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs), 3.8), sharey=True, squeeze=False)
-    lowest = float("inf")
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs), 3.8), squeeze=False)
     for ax, pair in zip(axes[0], pairs):
-        records = [json.loads(p.read_text()) for p in pair]
-        methods = [r["method"] for r in records[0]["rows"] if any(s["method"] == r["method"] for s in records[1]["rows"])]
-        for i, (path, record) in enumerate(zip(pair, records)):
-            rows = {r["method"]: r for r in record["rows"]}
+        records = [cycles(json.loads(p.read_text())) for p in pair]
+        methods = [m for m in records[0] if m in records[1]]
+        for i, (path, rows) in enumerate(zip(pair, records)):
             xs = [m + 0.38 * i for m in range(len(methods))]
-            ms = [rows[m]["cycle_gpu_ms"] for m in methods]
-            bars = ax.bar(xs, ms, width=0.36, label=label(path))
+            bars = ax.bar(xs, [rows[m][0] for m in methods], width=0.36, label=label(path))
             for bar, m in zip(bars, methods):
-                ax.annotate(f"{bar.get_height():.3f}\n{rows[m]['kernels']['per_replay']:.0f} kernels",
+                ax.annotate(f"{bar.get_height():.3f}\n{rows[m][1]:.0f} kernels",
                             (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-            lowest = min(lowest, *ms)
         ax.set_xticks([m + 0.19 for m in range(len(methods))], methods)
-        ax.set_title(f"{label(pair[0])} → {label(pair[1])}", fontsize=10)
+        ax.set_title(f"{name_part(pair[0], 1)}: {label(pair[0])} → {label(pair[1])}", fontsize=10)
         ax.legend(fontsize=8, loc="lower right")
-    axes[0][0].set_ylabel("cycle GPU ms")
-    axes[0][0].set_ylim(bottom=0.8 * lowest, top=1.08 * max(ax.get_ylim()[1] for ax in axes[0]))
+        lowest = min(ms for rows in records for ms, _ in rows.values())
+        ax.set_ylim(bottom=0.8 * lowest, top=1.08 * ax.get_ylim()[1])
+    axes[0][0].set_ylabel("cycle ms (torch: GPU time, JAX: wall time)")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
