@@ -1,7 +1,9 @@
 """16-row bf16 products on a GPU (a decode forward's invariant width): F.linear (cuBLAS) against the reduction
 split into a batched GEMM over S slices of the input (torch_gemma.split_products), the slices' products
-not yet summed (bmmS_us: in the compiled engine the kernel that reads them adds them). Each timed in a CUDA
-graph that cycles through at least 200 MB of weight copies, so L2 holds none of them.
+not yet summed (bmmS_us: in the compiled engine the kernel that reads them adds them), and on Hopper
+skinny_gemm's kernel for the same slices (kernelS_us; each call launched under PDL, so it loads its weight while
+the call before it runs). Each timed in a CUDA graph that cycles through at least 200 MB of weight copies, so L2
+holds none of them.
 
     python scripts/bench_split_reduction.py docs/results/gemm-split-reduction-h200.json
 """
@@ -12,6 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from specdec.models import skinny_gemm
 from specdec.models.torch_gemma import split_products
 
 ROWS = 16
@@ -64,9 +67,13 @@ def main(out: str) -> None:
             if reduction % (64 * splits):
                 continue
             row[f"bmm{splits}_us"] = us_per_call(lambda x, w: split_products(x, w, splits), weights, x)
+            if skinny_gemm.available():
+                row[f"kernel{splits}_us"] = us_per_call(
+                    lambda x, w: torch.ops.specdec.split_products(x, w, splits), weights, x)
         rows.append(row)
         print(f"{name:32s} {row['MB']:8.1f} MB  cuBLAS {row['linear_us']:7.2f} us  "
-              + "  ".join(f"{k[:-3]} {v}" for k, v in row.items() if k.startswith("bmm")), flush=True)
+              + "  ".join(f"{k[:-3]} {v}" for k, v in row.items() if k.endswith("_us") and k != "linear_us"),
+              flush=True)
         del weights
     json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), open(out, "w"), indent=1)
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.models import skinny_gemm
 from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tensor_parallel, rope_inv_freq,
                                    tp_split_axis, vocab_rows)
 
@@ -71,13 +72,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, cfg: GemmaConfig) -> 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T. For a decode forward's few rows on a GPU, cuBLAS runs one tile per 128 output columns, so a
     weight of few columns (an o_proj, E4B's attention and per-layer projections, the 270M's layers) leaves most
-    SMs idle: 0.2-2.2 TB/s on an H200. Compiled, the reduction there runs as a batched GEMM over
-    `reduction_splits` slices of the input, whose products the kernel that reads them adds in float32
-    (docs/benchmarks.md, issue 11). Eagerly, those adds would be kernels of their own, so it stays one GEMM."""
-    splits = 1
+    SMs idle: 0.2-2.2 TB/s on an H200. Compiled, the reduction there is split in slices whose products the kernel
+    that reads them adds in float32 (docs/benchmarks.md, issue 11): on Hopper, for weights up to
+    skinny_gemm.MAX_WEIGHT_BYTES, by skinny_gemm's kernel, which loads the weight while the kernel before it
+    finishes; else as a batched GEMM over `reduction_splits` slices. Eagerly, those adds would be kernels of their
+    own, so it stays one GEMM."""
     if x.is_cuda and torch.compiler.is_compiling():
-        splits = reduction_splits(x.numel() // x.shape[-1], *weight.shape)
-    return F.linear(x, weight) if splits == 1 else split_linear(x, weight, splits)
+        rows, (columns, reduction) = x.numel() // x.shape[-1], weight.shape
+        if rows <= SPLIT_MAX_ROWS and skinny_gemm.takes(weight):
+            splits = skinny_gemm.splits(reduction)
+            products = torch.ops.specdec.split_products(x.reshape(rows, reduction).contiguous(), weight, splits)
+            return sum_products(products, x)
+        splits = reduction_splits(rows, columns, reduction)
+        if splits > 1:
+            return sum_products(split_products(x, weight, splits), x)
+    return F.linear(x, weight)
 
 
 SPLIT_MAX_ROWS = 32  # products of more rows keep one GEMM (reduction_splits)
@@ -101,14 +110,12 @@ def split_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.
     return torch.bmm(rows, weight.view(columns, splits, part).permute(1, 2, 0))
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
-    """x @ weight.T as split_products, the slices' products added in float32."""
-    columns = weight.shape[0]
-    products = split_products(x, weight, splits)
+def sum_products(products: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The slices' products [splits, rows, columns] of x's rows added in float32, in x's dtype and leading shape."""
     total = products[0].float()
     for product in products[1:]:  # added one by one, which inductor fuses into the kernel that reads the sum
         total = total + product.float()
-    return total.to(x.dtype).view(*x.shape[:-1], columns)
+    return total.to(x.dtype).view(*x.shape[:-1], products.shape[-1])
 
 
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 from specdec.acceptance.torch_rule import RowSampling, accept_greedy, accept_sampled, keyed_uniform
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, check_context
+from specdec.models import skinny_gemm
 from specdec.models.config import SLIDING, decode_width
 from specdec.models.torch_gemma import SPLIT_MAX_ROWS, GemmaModel, KVCache
 from specdec.protocol import VerifyOutput
@@ -64,6 +65,10 @@ def _configure_compile(model: GemmaModel | None = None) -> None:
     # 11). TORCHINDUCTOR_ENABLE_PDL, where set, decides instead.
     if hasattr(config.triton, "enable_pdl") and "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
         config.triton.enable_pdl = True
+    # skinny_gemm leaves a product's slices (up to 16) to be added where they are read. RoPE reads q and k twice
+    # (rotate_half), so the sum there counts as 2 x slices reads; past inductor's threshold (4) it is written out
+    # instead, and the q/k/v epilogue broke into four kernels where it ran in two (38 more a 270M cycle, H100).
+    config.realize_reads_threshold = max(config.realize_reads_threshold, 2 * skinny_gemm.MAX_SPLITS)
     if model is not None and model.tp_parts is not None:
         # Parts promise the same bits on every device count, whose programs inductor fuses differently (a
         # collective ends a fused kernel). Fused, inductor drops the rounding of a bf16 result that the next

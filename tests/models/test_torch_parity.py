@@ -108,13 +108,13 @@ def test_hidden_states_of_chosen_layers(pair):
 
 @pytest.mark.parametrize("splits", [2, 4])
 def test_a_split_reduction_is_the_same_product(splits):
-    """split_linear (a batched GEMM over slices of the reduction, the slices' products added) computes x @ W.T,
-    for rows of any leading shape; in float32 to rounding."""
-    from specdec.models.torch_gemma import split_linear
+    """A batched GEMM over slices of the reduction, the slices' products added, computes x @ W.T, for rows of any
+    leading shape; in float32 to rounding."""
+    from specdec.models.torch_gemma import split_products, sum_products
 
     g = torch.Generator().manual_seed(3)
     x, weight = torch.randn(2, 8, 512, generator=g), torch.randn(96, 512, generator=g)
-    assert torch.allclose(split_linear(x, weight, splits), x @ weight.T, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(sum_products(split_products(x, weight, splits), x), x @ weight.T, rtol=1e-5, atol=1e-4)
 
 
 def test_which_products_split_their_reduction():
@@ -132,8 +132,8 @@ def test_which_products_split_their_reduction():
 
 @pytest.mark.gpu
 def test_compiled_products_split_and_eager_ones_do_not():
-    """On a GPU the compiled product is one batched GEMM over slices of the reduction (its bf16 result the
-    product's to bf16's rounding); the eager one is cuBLAS's product itself."""
+    """On a GPU the compiled product of a weight above skinny_gemm's size is one batched GEMM over slices of the
+    reduction (its bf16 result the product's to bf16's rounding); the eager one is cuBLAS's product itself."""
     from torch._inductor.utils import run_and_get_code
 
     from specdec.models.torch_gemma import linear

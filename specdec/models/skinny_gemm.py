@@ -1,0 +1,134 @@
+"""The split products of a decode forward's few rows as a Triton kernel that loads its weights before it waits.
+
+Under programmatic dependent launch (PDL, Hopper on; torch_engine turns it on for inductor's kernels), a kernel
+is launched while the one before it still runs and waits in-kernel (`griddepcontrol.wait`) before it reads that
+kernel's output. A weight is no kernel's output: this kernel loads its tile of the weight first, then waits, then
+reads the rows of x, so the weight streams in while the previous kernel (a norm, RoPE, the GELU) finishes. The 270M's
+layer products move 1-5 MB each and took 3.3 us as cuBLAS's batched GEMM, mostly latency (docs/benchmarks.md, issue
+11). cuBLAS's kernels are not launched that way.
+
+Each program computes one block of output columns of one slice of the reduction, in float32, over the whole slice:
+what a row's value is depends on the slice, the block size and the row alone, never on the other rows, so rows stay
+bitwise invariant as torch_gemma.split_products' do. The slices' sums stay to the kernel that reads them
+(torch_gemma.sum_products), which inductor fuses.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MAX_WEIGHT_BYTES = 8 * 2**20  # larger weights stream faster through cuBLAS's pipelined GEMM (measured below)
+SLICE = 256  # reduction elements per slice: one load of the weight tile, one product
+MAX_SPLITS = 16  # slices at most (the kernels that read the products add them)
+MAX_TILE = 128 * 128  # weight elements a program holds
+
+
+@torch.compiler.assume_constant_result  # a constant in the traced forward
+def available() -> bool:
+    """Triton with the PDL intrinsics, and a GPU that has PDL (Hopper or later)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    return hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_products_kernel(x, w, out, rows, columns, part, stride_xm, stride_wn, stride_wk,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              STEPS: tl.constexpr):
+        block, split = tl.program_id(0), tl.program_id(1)
+        m = tl.arange(0, BLOCK_M)
+        n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        start = split * part
+        w_tile = w + n[:, None] * stride_wn + (start + k)[None, :] * stride_wk
+        x_tile = x + m[:, None] * stride_xm + (start + k)[None, :]
+        m_in, n_in = m[:, None] < rows, n[:, None] < columns
+        weight = tl.load(w_tile, mask=n_in & (k[None, :] < part), other=0.0)
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output; the weight is nobody's
+        acc = tl.dot(tl.load(x_tile, mask=m_in & (k[None, :] < part), other=0.0), tl.trans(weight))
+        for step in tl.static_range(1, STEPS):
+            offset = step * BLOCK_K
+            k_in = (offset + k)[None, :] < part
+            weight = tl.load(w_tile + offset * stride_wk, mask=n_in & k_in, other=0.0)
+            acc += tl.dot(tl.load(x_tile + offset, mask=m_in & k_in, other=0.0), tl.trans(weight))
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.store(out + split * rows * columns + m[:, None] * columns + n[None, :], acc,
+                 mask=(m[:, None] < rows) & (n[None, :] < columns))
+
+    return split_products_kernel
+
+
+def takes(weight: torch.Tensor) -> bool:
+    """Whether a product of few rows with `weight` runs here: bf16 or fp16 weights up to MAX_WEIGHT_BYTES."""
+    small = weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
+    return weight.dtype in (torch.bfloat16, torch.float16) and small and available()
+
+
+def splits(reduction: int) -> int:
+    """Slices of the reduction: halved until a slice is at most SLICE long, keeping slices a multiple of 16, and at
+    most MAX_SPLITS of them."""
+    count = 1
+    while reduction // count > SLICE and reduction % (32 * count) == 0 and count < MAX_SPLITS:
+        count *= 2
+    return count
+
+
+def plan(rows: int, columns: int, splits: int, part: int, processors: int) -> dict:
+    """Block sizes for `rows` rows (at most 32), a weight of `columns`, `splits` slices of the reduction of `part`
+    each, on a GPU of `processors` SMs: the whole slice in one step where it fits, and the widest column block that
+    still gives every SM a program (the weight then streams through all of them). Blocks of at least 16, as
+    tensor-core products need. Swept on an H200 by scripts/tune_skinny_gemm.py: within 0.5 us of the best
+    configuration for the 270M's products, where the batched GEMM is 1.5-2.3 us slower (docs/benchmarks.md)."""
+    block_m = max(16, 1 << (rows - 1).bit_length())
+    block_k = min(2 * SLICE, max(16, 1 << (part - 1).bit_length()))
+    block_n = 16
+    while (block_n < 128 and 2 * block_n * block_k <= MAX_TILE
+           and -(-columns // (2 * block_n)) * splits >= processors):
+        block_n *= 2
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STEPS": -(-part // block_k),
+            "num_warps": 4 if block_n * block_k <= 16 * 512 else 8}
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, splits: int, config: dict, out: torch.Tensor) -> None:
+    """The kernel over x [rows, reduction] and weight [columns, reduction] into out [splits, rows, columns], with
+    `config` as plan() gives it, launched under PDL."""
+    import triton
+
+    rows, reduction = x.shape
+    columns = weight.shape[0]
+    grid = (triton.cdiv(columns, config["BLOCK_N"]), splits)
+    _kernel()[grid](x, weight, out, rows, columns, reduction // splits, x.stride(0), weight.stride(0),
+                    weight.stride(1), **config, launch_pdl=True)
+
+
+@torch.library.custom_op("specdec::split_products", mutates_args=())
+def split_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x [rows, reduction] and weight [columns, reduction] (rows of x contiguous): the products of `splits` equal
+    slices of the reduction, float32 [splits, rows, columns], not yet summed."""
+    rows, reduction = x.shape
+    columns = weight.shape[0]
+    out = torch.empty(splits, rows, columns, device=x.device, dtype=torch.float32)
+    config = plan(rows, columns, splits, reduction // splits, _processors(x.device))
+    launch(x, weight, splits, config, out)
+    return out
+
+
+@split_products.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    return x.new_empty(splits, x.shape[0], weight.shape[0], dtype=torch.float32)
