@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-MAX_WEIGHT_BYTES = 8 * 2**20  # larger weights stream faster through cuBLAS's pipelined GEMM (measured below)
+MAX_WEIGHT_BYTES = 8 * 2**20  # larger weights stream as fast or faster through cuBLAS (docs/benchmarks.md)
 SLICE = 256  # reduction elements per slice: one load of the weight tile, one product
 MAX_SPLITS = 16  # slices at most (the kernels that read the products add them)
 MAX_TILE = 128 * 128  # weight elements a program holds
@@ -88,8 +88,8 @@ def plan(rows: int, columns: int, splits: int, part: int, processors: int) -> di
     """Block sizes for `rows` rows (at most 32), a weight of `columns`, `splits` slices of the reduction of `part`
     each, on a GPU of `processors` SMs: the whole slice in one step where it fits, and the widest column block that
     still gives every SM a program (the weight then streams through all of them). Blocks of at least 16, as
-    tensor-core products need. Swept on an H200 by scripts/tune_skinny_gemm.py: within 0.5 us of the best
-    configuration for the 270M's products, where the batched GEMM is 1.5-2.3 us slower (docs/benchmarks.md)."""
+    tensor-core products need. Swept by scripts/tune_skinny_gemm.py on an H100: within 0.7 us of the best
+    configuration for the products it takes, and 0.8-2.0 us faster than the batched GEMM (docs/benchmarks.md)."""
     block_m = max(16, 1 << (rows - 1).bit_length())
     block_k = min(2 * SLICE, max(16, 1 << (part - 1).bit_length()))
     block_n = 16
