@@ -27,8 +27,8 @@ MAX_TILE = 128 * 128  # weight elements a program holds
 
 @torch.compiler.assume_constant_result  # a constant in the traced forward
 def available() -> bool:
-    """Triton with the PDL intrinsics, and a GPU that has PDL (Hopper or later)."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+    """Triton with the PDL intrinsics, and an NVIDIA GPU that has PDL (Hopper or later)."""
+    if not torch.cuda.is_available() or torch.version.hip or torch.cuda.get_device_capability()[0] < 9:
         return False
     try:
         import triton.language as tl
