@@ -68,7 +68,9 @@ def _configure_compile(model: GemmaModel | None = None) -> None:
     # skinny_gemm leaves a product's slices (up to 16) to be added where they are read. RoPE reads q and k twice
     # (rotate_half), so the sum there counts as 2 x slices reads; past inductor's threshold (4) it is written out
     # instead, and the q/k/v epilogue broke into four kernels where it ran in two (38 more a 270M cycle, H100).
-    config.realize_reads_threshold = max(config.realize_reads_threshold, 2 * skinny_gemm.MAX_SPLITS)
+    # Where the kernel does not run, inductor's own threshold stays.
+    if skinny_gemm.available():
+        config.realize_reads_threshold = max(config.realize_reads_threshold, 2 * skinny_gemm.MAX_SPLITS)
     if model is not None and model.tp_parts is not None:
         # Parts promise the same bits on every device count, whose programs inductor fuses differently (a
         # collective ends a fused kernel). Fused, inductor drops the rounding of a bf16 result that the next
