@@ -30,18 +30,18 @@ SHAPES = {  # output columns, reduction
 }
 
 
-def us_per_call(fn, weights, x, reps=20):
+def graph_us(calls, count: int, reps: int) -> float:
+    """us per call of `calls` (a function that makes `count` calls), captured `reps` times in one CUDA graph after a
+    warm-up run on a side stream: the best of 5 replays."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for w in weights:
-            fn(x, w)
+        calls()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):
-            for w in weights:
-                fn(x, w)
+            calls()
     for _ in range(3):
         graph.replay()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -51,16 +51,29 @@ def us_per_call(fn, weights, x, reps=20):
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        best = min(best, begin.elapsed_time(end) * 1e3 / (reps * len(weights)))
+        best = min(best, begin.elapsed_time(end) * 1e3 / (reps * count))
     return round(best, 2)
+
+
+def weight_copies(columns: int, reduction: int, total_bytes: int) -> list[torch.Tensor]:
+    """bf16 weights [columns, reduction], at least two and at least `total_bytes` in all, so that L2 holds none."""
+    return [torch.randn(columns, reduction, device="cuda", dtype=torch.bfloat16) * 0.02
+            for _ in range(max(2, -(-total_bytes // (columns * reduction * 2))))]
+
+
+def us_per_call(fn, weights, x, reps=20):
+    def calls():
+        for w in weights:
+            fn(x, w)
+
+    return graph_us(calls, len(weights), reps)
 
 
 def main(out: str) -> None:
     torch.manual_seed(0)
     rows = []
     for name, (columns, reduction) in SHAPES.items():
-        weights = [torch.randn(columns, reduction, device="cuda", dtype=torch.bfloat16) * 0.02
-                   for _ in range(max(2, -(-200_000_000 // (columns * reduction * 2))))]
+        weights = weight_copies(columns, reduction, 200_000_000)
         x = torch.randn(ROWS, reduction, device="cuda", dtype=torch.bfloat16)
         row = dict(shape=name, MB=round(columns * reduction * 2 / 1e6, 2), linear_us=us_per_call(F.linear, weights, x))
         for splits in (2, 3, 4, 6, 8, 16):

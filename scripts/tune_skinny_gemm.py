@@ -10,6 +10,7 @@ and what splits() and plan() pick; us per (kernel, product) pair.
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,14 +21,12 @@ from specdec.evidence import git_commit, now_utc
 from specdec.models import skinny_gemm
 from specdec.models.torch_gemma import reduction_splits, split_products
 
-ROWS = 16
-SHAPES = {  # output columns, reduction
-    "270m qkv 640->1536": (1536, 640), "270m o_proj 1024->640": (640, 1024), "270m gate/up 640->4096": (4096, 640),
-    "270m down 2048->640": (640, 2048), "e4b per-layer gate 2560->256": (256, 2560),
-    "e4b per-layer proj 256->2560": (2560, 256), "e4b o_proj 2048->2560": (2560, 2048),
-    "e4b q 2560->2048": (2048, 2560),
-    "e4b qkv 2560->3072": (3072, 2560), "e4b down 10240->2560": (2560, 10240),
-}
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_split_reduction import ROWS, graph_us, weight_copies  # noqa: E402
+from bench_split_reduction import SHAPES as BENCH_SHAPES  # noqa: E402
+
+SHAPES = {name: shape for name, shape in BENCH_SHAPES.items()  # the 270M's and E4B's, but E4B's gate/up (105 MB)
+          if name.startswith("270m") or (name.startswith("e4b") and "gate/up" not in name)}
 
 
 @triton.jit
@@ -50,25 +49,7 @@ def us_per_pair(product, weights, src, x, reps=10):
             rows_kernel[(x.shape[0],)](src, x, x.shape[1], BLOCK=block, launch_pdl=True)
             product(x, w)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            chain()
-    graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        begin.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, begin.elapsed_time(end) * 1e3 / (reps * len(weights)))
-    return round(best, 2)
+    return graph_us(chain, len(weights), reps)
 
 
 def main(out: str) -> None:
@@ -76,8 +57,7 @@ def main(out: str) -> None:
     processors = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for name, (columns, reduction) in SHAPES.items():
-        weights = [torch.randn(columns, reduction, device="cuda", dtype=torch.bfloat16) * 0.02
-                   for _ in range(max(2, -(-100_000_000 // (columns * reduction * 2))))]
+        weights = weight_copies(columns, reduction, 100_000_000)
         src = torch.randn(ROWS, reduction, device="cuda", dtype=torch.bfloat16)
         x = torch.empty_like(src)
         engine_splits = reduction_splits(ROWS, columns, reduction)
