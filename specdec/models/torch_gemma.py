@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models import skinny_gemm
+from specdec.models import decode_attention, skinny_gemm
 from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tensor_parallel, rope_inv_freq,
                                    tp_split_axis, vocab_rows)
 
@@ -306,6 +306,9 @@ class ChunkContext:
     cached_cos: dict[str, torch.Tensor]  # kind -> [B, 1, S, hd] at stored positions (k_eq_v rebuild)
     cached_sin: dict[str, torch.Tensor]
     cache_mask: dict[str, torch.Tensor]  # kind -> [B, 1, T, 1, S] bool, True = may attend (Attention's row order)
+    # decode: kind -> the lowest and highest stored position each row attends, [B, T] each (cache_mask's bounds, and
+    # what decode_attention's kernel reads instead of it)
+    attended: dict[str, tuple[torch.Tensor, torch.Tensor]]
     chunk_mask: dict[str, torch.Tensor] | None  # kind -> [B, 1, T, 1, T]; None: committed first (decode)
     slots: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # kind -> (rows, slot, position) to write
     pending_writes: list  # prefill: (layer index, stored keys [B,n_kv,T,hd], values or None, first KV head)
@@ -410,6 +413,9 @@ class Attention(Packed):
         else:
             v_old = in_part(v_old)
 
+        if ctx.committed_first and decode_attention.takes(q, self.softcap):
+            return torch.ops.specdec.decode_attention(q, k_old, v_old, cache.slot_pos[kind], *ctx.attended[kind],
+                                                      self.scale, groups)
         # Decode: the cache alone. Prefill: [cached slots | this chunk] without concatenating the cache;
         # scores are joined for one softmax, then split again for the value products.
         parts = [(k_old, v_old, ctx.cache_mask[kind])]
@@ -726,7 +732,7 @@ class GemmaModel(nn.Module):
         before the chunk (`cache_mask`) and to the chunk causally (`chunk_mask`)."""
         B, T = positions.shape
         start = positions[:, :1]  # chunks are contiguous: positions[:, t] = start + t
-        ctx = ChunkContext({}, {}, {}, {}, {}, None if commit_first else {}, {}, [])
+        ctx = ChunkContext({}, {}, {}, {}, {}, {}, None if commit_first else {}, {}, [])
         dt = self.dtype
         causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
         rows = torch.arange(B, device=positions.device)[:, None]
@@ -742,14 +748,17 @@ class GemmaModel(nn.Module):
             stored = cache.slot_pos[kind]
             ctx.cached_cos[kind] = cos_t[stored.clamp(min=0)].to(dt)[:, None]
             ctx.cached_sin[kind] = sin_t[stored.clamp(min=0)].to(dt)[:, None]
-            if commit_first:
-                cache_mask = (stored[:, None, :] >= 0) & (stored[:, None, :] <= positions[:, :, None])  # [B, T, S]
+            window = self.cfg.sliding_window if kind == SLIDING else None
+            if commit_first:  # positions <= its own, and inside the window; never an empty slot (-1)
+                lowest = (positions - window + 1).clamp(min=0) if window else torch.zeros_like(positions)
+                ctx.attended[kind] = (lowest, positions)
+                cache_mask = (stored[:, None, :] >= lowest[:, :, None]) & (stored[:, None, :] <= positions[:, :, None])
             else:
                 cache_mask = ((stored >= 0) & (stored < start))[:, None, :].expand(B, T, -1)
+                if window:
+                    cache_mask = cache_mask & (stored[:, None, :] > positions[:, :, None] - window)
             chunk_mask = causal[None].expand(B, T, T)
-            if kind == SLIDING:
-                window = self.cfg.sliding_window
-                cache_mask = cache_mask & (stored[:, None, :] > positions[:, :, None] - window)
+            if window:
                 chunk_mask = chunk_mask & (positions[:, None, :] > positions[:, :, None] - window)
             ctx.cache_mask[kind] = cache_mask[:, None, :, None]
             if not commit_first:
