@@ -1,0 +1,119 @@
+"""Block sizes for decode_attention's kernel, measured as a decode forward runs it: its query rows written by a short
+kernel just before it (launched under PDL, as inductor's are). Every (BLOCK_M, BLOCK_S, D_BLOCK, splits at most,
+warps) of each shape, then the whole attention with plan()'s blocks (kernel and combine, compiled) against the
+products and softmax it replaces (compiled), each after the same compiled elementwise kernel, in CUDA graphs.
+Prints the best blocks per shape and plan()'s; us per layer.
+
+    python scripts/tune_decode_attention.py docs/results/decode-attention-tune-h200.json
+"""
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+from specdec.evidence import git_commit, now_utc
+from specdec.models import decode_attention
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_split_reduction import graph_us  # noqa: E402
+from tune_skinny_gemm import rows_kernel  # noqa: E402
+
+SHAPES = {  # KV heads, query heads per KV head, slots, head_dim, sliding window (0: none); 16-token forwards
+    "270m sliding": (1, 4, 576, 256, 512), "270m full (1024)": (1, 4, 1024, 256, 0),
+    "e4b sliding": (2, 4, 576, 256, 512),
+}
+TOKENS, LAYERS = 16, 18
+
+
+def inputs(nkv: int, groups: int, slots: int, head_dim: int, window: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, keys, values = (torch.randn(1, nkv, n, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+                       for n in (TOKENS * groups, slots, slots))
+    stored = torch.arange(slots, device="cuda")[None]
+    highest = torch.arange(slots - TOKENS, slots, device="cuda")[None]
+    lowest = (highest - window + 1).clamp(min=0) if window else torch.zeros_like(highest)
+    return q, keys, values, stored, lowest, highest
+
+
+def configs(slots: int, head_dim: int):
+    for block_m, block_s, d_block, most, warps in itertools.product((16, 32, 64), (16, 32, 64), (128, 256), (16, 32),
+                                                                     (4, 8)):
+        if d_block > head_dim or (head_dim == 512 and block_s == 64) or (block_m == 16 and warps == 8):
+            continue
+        blocks = -(-slots // block_s)
+        chunk = block_s * -(-blocks // most)
+        yield {"splits": -(-slots // chunk), "chunk": chunk, "BLOCK_S": block_s, "BLOCK_M": block_m,
+               "D_BLOCK": d_block, "num_warps": warps}
+
+
+def kernel_us(config: dict, q, keys, values, stored, lowest, highest, groups: int) -> float:
+    """us per (rows kernel, attention kernel) pair, LAYERS pairs back to back in one CUDA graph."""
+    src, rows = q.clone(), q.view(-1, q.shape[-1])
+    outs = decode_attention.empty_partials(q, config["splits"])
+    block = triton.next_power_of_2(q.shape[-1])
+
+    def chain():
+        for _ in range(LAYERS):
+            rows_kernel[(rows.shape[0],)](src, q, q.shape[-1], BLOCK=block, launch_pdl=True)
+            decode_attention.launch(q, keys, values, stored, lowest, highest, 0.0625, groups, config, outs)
+
+    return graph_us(chain, LAYERS, 5)
+
+
+def whole_us(q, keys, values, stored, lowest, highest, groups: int) -> dict:
+    """us per layer of the compiled attention after a compiled elementwise kernel: plan()'s kernel and combine, and
+    the products and softmax it replaces."""
+    from specdec.verifiers.torch_engine import _configure_compile
+
+    _configure_compile()
+    mask = ((stored[:, None, :] >= lowest[:, :, None]) & (stored[:, None, :] <= highest[:, :, None]))
+    mask = mask.repeat_interleave(groups, dim=1)[:, None]
+
+    def kernel(x):
+        out = decode_attention.attend((x.float() * 1.5).to(x.dtype), keys, values, stored, lowest, highest, 0.0625,
+                                      groups)
+        return out.view(x.shape)  # the next layer's query
+
+    def products(x):
+        x = (x.float() * 1.5).to(x.dtype)
+        scores = (x @ keys.transpose(-1, -2) * 0.0625).masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(x.dtype) @ values
+
+    result = {}
+    for name, fn in (("kernel", kernel), ("products", products)):
+        compiled = torch.compile(fn, fullgraph=True)
+        outs = [q]
+
+        def chain():
+            for _ in range(LAYERS):
+                outs.append(compiled(outs[-1]))
+                outs.pop(0)
+
+        result[name] = graph_us(chain, LAYERS, 5)
+    return result
+
+
+def main(out: str) -> None:
+    results = []
+    for name, (nkv, groups, slots, head_dim, window) in SHAPES.items():
+        tensors = inputs(nkv, groups, slots, head_dim, window)
+        timed = [(kernel_us(c, *tensors, groups), c) for c in configs(slots, head_dim)]
+        timed.sort(key=lambda pair: pair[0])
+        planned = decode_attention.plan(slots, head_dim)
+        planned_us = next(us for us, c in timed if c == planned)
+        whole = whole_us(*tensors, groups)
+        results.append({"shape": name, "best": [{"us": us, **c} for us, c in timed[:5]],
+                        "plan": {"us": planned_us, **planned}, "whole_layer_us": whole})
+        print(f"{name:18s} best {timed[0][0]:5.2f} us {timed[0][1]}\n{'':18s} plan {planned_us:5.2f} us; "
+              f"compiled layer: kernel+combine {whole['kernel']:5.2f} us, products+softmax {whole['products']:5.2f} us")
+    Path(out).write_text(json.dumps({"benchmark": "tune_decode_attention", "date": now_utc(), "commit": git_commit(),
+                                     "device": torch.cuda.get_device_name(), "tokens": TOKENS,
+                                     "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
