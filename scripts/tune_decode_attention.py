@@ -1,8 +1,8 @@
 """Block sizes for decode_attention's kernel, measured as a decode forward runs it: its query rows written by a short
 kernel just before it (launched under PDL, as inductor's are). Every (BLOCK_M, BLOCK_S, D_BLOCK, splits at most,
-warps) of each shape, then the whole attention with plan()'s blocks (kernel and combine, compiled) against the
-products and softmax it replaces (compiled), each after the same compiled elementwise kernel, in CUDA graphs.
-Prints the best blocks per shape and plan()'s; us per layer.
+warps) of each shape; the combine kernel's blocks after plan()'s kernel; then the whole attention with plan()'s
+blocks (kernel and combine, compiled) against the products and softmax it replaces (compiled), each after the same
+compiled elementwise kernel, in CUDA graphs. Prints the best blocks per shape and ours; us per layer.
 
     python scripts/tune_decode_attention.py docs/results/decode-attention-tune-h200.json
 """
@@ -64,6 +64,23 @@ def kernel_us(config: dict, q, keys, values, stored, lowest, highest, groups: in
     return graph_us(chain, LAYERS, 5)
 
 
+def combine_us(blocks: tuple[int, int], q, keys, values, stored, lowest, highest, groups: int) -> float:
+    """us per (rows kernel, plan()'s attention kernel, combine kernel of `blocks` (rows, value columns)) triple."""
+    src, rows = q.clone(), q.view(-1, q.shape[-1])
+    config = decode_attention.plan(keys.shape[2], q.shape[-1])
+    partials = decode_attention.empty_partials(q, config["splits"])
+    out = q.new_empty(q.shape[0], q.shape[2] // groups, q.shape[1] * groups * q.shape[3])
+    block = triton.next_power_of_2(q.shape[-1])
+
+    def chain():
+        for _ in range(LAYERS):
+            rows_kernel[(rows.shape[0],)](src, q, q.shape[-1], BLOCK=block, launch_pdl=True)
+            decode_attention.launch(q, keys, values, stored, lowest, highest, 0.0625, groups, config, partials)
+            decode_attention.combine(partials, out, groups, *blocks)
+
+    return graph_us(chain, LAYERS, 5)
+
+
 def whole_us(q, keys, values, stored, lowest, highest, groups: int) -> dict:
     """us per layer of the compiled attention after a compiled elementwise kernel: plan()'s kernel and combine, and
     the products and softmax it replaces."""
@@ -106,10 +123,16 @@ def main(out: str) -> None:
         planned = decode_attention.plan(slots, head_dim)
         planned_us = next(us for us, c in timed if c == planned)
         whole = whole_us(*tensors, groups)
+        combines = sorted((combine_us(blocks, *tensors, groups), blocks)
+                          for blocks in itertools.product((8, 16, 32), (32, 64, 128)))
+        ours = (decode_attention.COMBINE_BLOCK_M, decode_attention.COMBINE_D_BLOCK)
         results.append({"shape": name, "best": [{"us": us, **c} for us, c in timed[:5]],
-                        "plan": {"us": planned_us, **planned}, "whole_layer_us": whole})
+                        "plan": {"us": planned_us, **planned}, "whole_layer_us": whole,
+                        "with_combine_us": [{"us": us, "BLOCK_M": m, "D_BLOCK": d} for us, (m, d) in combines]})
         print(f"{name:18s} best {timed[0][0]:5.2f} us {timed[0][1]}\n{'':18s} plan {planned_us:5.2f} us; "
               f"compiled layer: kernel+combine {whole['kernel']:5.2f} us, products+softmax {whole['products']:5.2f} us")
+        print(f"{'':18s} with the combine: best {combines[0][0]:5.2f} us {combines[0][1]}, ours "
+              f"{next(us for us, blocks in combines if blocks == ours):5.2f} us {ours}")
     Path(out).write_text(json.dumps({"benchmark": "tune_decode_attention", "date": now_utc(), "commit": git_commit(),
                                      "device": torch.cuda.get_device_name(), "tokens": TOKENS,
                                      "results": results}, indent=1))

@@ -156,20 +156,23 @@ def _combine_kernel():
     return combine_partials_kernel
 
 
-COMBINE_BLOCK_M, COMBINE_D_BLOCK = 16, 64  # many small programs: each reads splits x 16 x 64 float32 partials
+# Many small programs, each reading splits x 8 x 32 float32 partials: the smallest blocks swept were the fastest, by
+# 1.1-1.9 us a layer against 16 x 64 (scripts/tune_decode_attention.py, H200).
+COMBINE_BLOCK_M, COMBINE_D_BLOCK = 8, 32
 
 
-def combine(partials, out: torch.Tensor, groups: int) -> None:
+def combine(partials, out: torch.Tensor, groups: int, block_m: int = COMBINE_BLOCK_M,
+            d_block: int = COMBINE_D_BLOCK) -> None:
     """The splits' partials (acc, top, total) into out [B, T, n_kv * groups * hd], launched under PDL."""
     import triton
 
     acc = partials[0]
     B, heads, splits, rows, head_dim = acc.shape
-    d_block = min(head_dim, COMBINE_D_BLOCK)
-    grid = (triton.cdiv(rows, COMBINE_BLOCK_M), B * heads * (head_dim // d_block))
+    d_block = min(head_dim, d_block)
+    grid = (triton.cdiv(rows, block_m), B * heads * (head_dim // d_block))
     _combine_kernel()[grid](*partials, out, rows, groups, heads, out.stride(0), out.stride(1), SPLITS=splits,
                             SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=head_dim, D_BLOCK=d_block,
-                            BLOCK_M=COMBINE_BLOCK_M, num_warps=4, launch_pdl=True)
+                            BLOCK_M=block_m, num_warps=4, launch_pdl=True)
 
 
 def _empty_out(q: torch.Tensor, groups: int) -> torch.Tensor:
