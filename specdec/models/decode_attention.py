@@ -22,7 +22,12 @@ import torch
 from specdec.models import skinny_gemm
 
 MAX_SPLITS = 16  # programs along the slots at most: the combine reads splits x rows x head_dim float32 partials
+BLOCK_S = 64  # slots a program scores at a time
 MAX_HEAD_DIM = 256  # 512-wide heads (E4B's full layers) ran slower than the products they would replace (H200)
+# Caches of at most this many slots: a block a split. Longer ones (the 31B's sliding ring of 1,088, long contexts)
+# loop over blocks in each program and have not been measured against the products; an earlier kernel of this
+# kind lost on the 31B's layers (docs/benchmarks.md).
+MAX_SLOTS = MAX_SPLITS * BLOCK_S
 
 
 def plan(slots: int, head_dim: int) -> dict:
@@ -31,20 +36,20 @@ def plan(slots: int, head_dim: int) -> dict:
     block a split where there are at most MAX_SPLITS blocks. Swept by scripts/tune_decode_attention.py on an H200:
     within 0.2 us of the fastest partials kernel on the 270M's layers (0.7 us on E4B's), with half the partials of
     the fastest for the combine to read (docs/benchmarks.md)."""
-    block = 64
-    blocks = -(-slots // block)
-    chunk = block * -(-blocks // MAX_SPLITS)
-    return {"splits": -(-slots // chunk), "chunk": chunk, "BLOCK_S": block, "BLOCK_M": 16,
+    blocks = -(-slots // BLOCK_S)
+    chunk = BLOCK_S * -(-blocks // MAX_SPLITS)
+    return {"splits": -(-slots // chunk), "chunk": chunk, "BLOCK_S": BLOCK_S, "BLOCK_M": 16,
             "D_BLOCK": min(head_dim, 128), "num_warps": 4}
 
 
-def takes(q: torch.Tensor, softcap: float | None) -> bool:
-    """Whether a compiled decode forward's attention runs here: bf16/fp16 on Hopper (skinny_gemm.available), a
-    power-of-two head_dim of 16-256, and no logit softcap (no Gemma 3 or 4 has one)."""
+def takes(q: torch.Tensor, keys: torch.Tensor, softcap: float | None) -> bool:
+    """Whether a compiled decode forward's attention of q over keys [B, n_kv, slots, hd] runs here: bf16/fp16 on
+    Hopper (skinny_gemm.available), a power-of-two head_dim of 16-256, at most MAX_SLOTS slots, and no logit softcap
+    (no Gemma 3 or 4 has one)."""
     head_dim = q.shape[-1]
     return (torch.compiler.is_compiling() and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and softcap is None and 16 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
-            and skinny_gemm.available())
+            and keys.shape[2] <= MAX_SLOTS and skinny_gemm.available())
 
 
 @functools.cache

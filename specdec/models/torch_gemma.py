@@ -413,7 +413,7 @@ class Attention(Packed):
         else:
             v_old = in_part(v_old)
 
-        if ctx.committed_first and decode_attention.takes(q, self.softcap):
+        if ctx.committed_first and decode_attention.takes(q, k_old, self.softcap):
             return torch.ops.specdec.decode_attention(q, k_old, v_old, cache.slot_pos[kind], *ctx.attended[kind],
                                                       self.scale, groups)
         # Decode: the cache alone. Prefill: [cached slots | this chunk] without concatenating the cache;

@@ -25,6 +25,7 @@ def test_splits_cover_the_slots_in_whole_blocks(slots, head_dim):
     assert (splits - 1) * chunk < slots <= splits * chunk  # no split past the cache, none missing
     assert chunk == block or -(-slots // (chunk - block)) > decode_attention.MAX_SPLITS  # the shortest that fits
     assert head_dim % config["D_BLOCK"] == 0
+    assert (chunk == block) == (slots <= decode_attention.MAX_SLOTS)  # the engine's caches: a block a split
 
 
 def bf16(*shape, seed: int) -> torch.Tensor:
