@@ -60,7 +60,7 @@ def _kernel():
     @triton.jit
     def attention_partials_kernel(q, k, v, stored, lowest, highest, acc_out, top_out, sum_out, rows, groups,
                                   heads, slots, chunk, scale, sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
-                                  ss_b, sp_b, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  ss_b, sl_b, sh_b, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                                   BLOCK_S: tl.constexpr, STEPS: tl.constexpr):
         split, row_block, program = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         d_blocks: tl.constexpr = HEAD_DIM // D_BLOCK
@@ -72,8 +72,8 @@ def _kernel():
         token = r // groups
         # The bounds are written at the forward's start: under PDL, when this kernel starts, every kernel but the
         # one before it has finished. q and this forward's cache slots are that kernel's output.
-        low = tl.load(lowest + b * sp_b + token, mask=r_in, other=1)
-        high = tl.load(highest + b * sp_b + token, mask=r_in, other=0)
+        low = tl.load(lowest + b * sl_b + token, mask=r_in, other=1)
+        high = tl.load(highest + b * sh_b + token, mask=r_in, other=0)
         tl.extra.cuda.gdc_wait()
         query = tl.load(q + b * sq_b + h * sq_h + r[:, None] * sq_r + d[None, :], mask=r_in[:, None], other=0.0)
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -112,7 +112,7 @@ def launch(q, keys, values, stored, lowest, highest, scale: float, groups: int, 
     grid = (config["splits"], triton.cdiv(rows, config["BLOCK_M"]), B * heads * (head_dim // config["D_BLOCK"]))
     _kernel()[grid](q, keys, values, stored, lowest, highest, *outs, rows, groups, heads,
                     keys.shape[2], config["chunk"], scale, *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
-                    stored.stride(0), lowest.stride(0), HEAD_DIM=head_dim, D_BLOCK=config["D_BLOCK"],
+                    stored.stride(0), lowest.stride(0), highest.stride(0), HEAD_DIM=head_dim, D_BLOCK=config["D_BLOCK"],
                     BLOCK_M=config["BLOCK_M"], BLOCK_S=config["BLOCK_S"], STEPS=config["chunk"] // config["BLOCK_S"],
                     num_warps=config["num_warps"], num_stages=2, launch_pdl=True)
 
@@ -193,7 +193,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, stored: to
     the position each slot holds [B, slots], the lowest and highest position each token attends [B, T]; the output
     [B, T, n_kv * groups * hd] in q's dtype, query heads in order."""
     config = plan(keys.shape[2], q.shape[-1])
-    q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))  # the kernel's layout
+    q, keys, values, stored, lowest, highest = (t if t.stride(-1) == 1 else t.contiguous()  # the kernels' layout
+                                                for t in (q, keys, values, stored, lowest, highest))
     partials = empty_partials(q, config["splits"])
     launch(q, keys, values, stored, lowest, highest, scale, groups, config, partials)
     out = _empty_out(q, groups)
