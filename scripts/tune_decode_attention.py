@@ -50,24 +50,11 @@ def configs(slots: int, head_dim: int):
                "D_BLOCK": d_block, "num_warps": warps}
 
 
-def kernel_us(config: dict, q, keys, values, stored, lowest, highest, groups: int) -> float:
-    """us per (rows kernel, attention kernel) pair, LAYERS pairs back to back in one CUDA graph."""
+def chain_us(config: dict, q, keys, values, stored, lowest, highest, groups: int,
+             combine_blocks: tuple[int, int] | None = None) -> float:
+    """us per (rows kernel, attention kernel of `config`) pair, LAYERS of them back to back in one CUDA graph; with
+    `combine_blocks` (rows, value columns), each followed by the combine kernel in those blocks."""
     src, rows = q.clone(), q.view(-1, q.shape[-1])
-    outs = decode_attention.empty_partials(q, config["splits"])
-    block = triton.next_power_of_2(q.shape[-1])
-
-    def chain():
-        for _ in range(LAYERS):
-            rows_kernel[(rows.shape[0],)](src, q, q.shape[-1], BLOCK=block, launch_pdl=True)
-            decode_attention.launch(q, keys, values, stored, lowest, highest, 0.0625, groups, config, outs)
-
-    return graph_us(chain, LAYERS, 5)
-
-
-def combine_us(blocks: tuple[int, int], q, keys, values, stored, lowest, highest, groups: int) -> float:
-    """us per (rows kernel, plan()'s attention kernel, combine kernel of `blocks` (rows, value columns)) triple."""
-    src, rows = q.clone(), q.view(-1, q.shape[-1])
-    config = decode_attention.plan(keys.shape[2], q.shape[-1])
     partials = decode_attention.empty_partials(q, config["splits"])
     out = q.new_empty(q.shape[0], q.shape[2] // groups, q.shape[1] * groups * q.shape[3])
     block = triton.next_power_of_2(q.shape[-1])
@@ -76,7 +63,8 @@ def combine_us(blocks: tuple[int, int], q, keys, values, stored, lowest, highest
         for _ in range(LAYERS):
             rows_kernel[(rows.shape[0],)](src, q, q.shape[-1], BLOCK=block, launch_pdl=True)
             decode_attention.launch(q, keys, values, stored, lowest, highest, 0.0625, groups, config, partials)
-            decode_attention.combine(partials, out, groups, *blocks)
+            if combine_blocks is not None:
+                decode_attention.combine(partials, out, groups, *combine_blocks)
 
     return graph_us(chain, LAYERS, 5)
 
@@ -118,12 +106,12 @@ def main(out: str) -> None:
     results = []
     for name, (nkv, groups, slots, head_dim, window) in SHAPES.items():
         tensors = inputs(nkv, groups, slots, head_dim, window)
-        timed = [(kernel_us(c, *tensors, groups), c) for c in configs(slots, head_dim)]
+        timed = [(chain_us(c, *tensors, groups), c) for c in configs(slots, head_dim)]
         timed.sort(key=lambda pair: pair[0])
         planned = decode_attention.plan(slots, head_dim)
         planned_us = next(us for us, c in timed if c == planned)
         whole = whole_us(*tensors, groups)
-        combines = sorted((combine_us(blocks, *tensors, groups), blocks)
+        combines = sorted((chain_us(planned, *tensors, groups, blocks), blocks)
                           for blocks in itertools.product((8, 16, 32), (32, 64, 128)))
         ours = (decode_attention.COMBINE_BLOCK_M, decode_attention.COMBINE_D_BLOCK)
         results.append({"shape": name, "best": [{"us": us, **c} for us, c in timed[:5]],
