@@ -38,6 +38,14 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def top_p_rest(self) -> float:
+        """The top-p filter's threshold: tokens whose ascending cumulative probability is at most this go. 1 - top_p
+        in double precision, as Hugging Face computes it; compared with float32 sums it rounds to float32 once.
+        Per-row settings store this, not top_p: 1 - float32(top_p) is another float32 (0.10000002 for 0.9, not
+        0.1), and a token summing to between the two would be kept by one and dropped by the other."""
+        return 1 - self.top_p
+
+    @property
     def filters(self) -> frozenset[str]:
         """The filters these settings switch on."""
         on = {"top_k": self.top_k > 0, "top_p": self.top_p < 1, "min_p": self.min_p > 0}

@@ -300,24 +300,51 @@ def test_inverse_cdf_draws_by_cumulative_weight_and_never_a_token_without_weight
                 np.testing.assert_array_equal(tokens, want)
 
 
-def test_per_row_settings_give_each_row_what_its_own_settings_give():
-    """torch's RowSampling (a server's batch): bitwise the warp and the tokens of each row's SamplingParams alone,
-    a greedy row among sampled ones included."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_per_row_settings_give_each_row_what_its_own_settings_give(device):
+    """torch's RowSampling (a server's batch, a fused cycle's rows): bitwise the warp and the tokens of each row's
+    SamplingParams alone (the host loop's), a greedy row among sampled ones included. On CUDA too, where dividing by
+    a Python float would multiply by its reciprocal instead."""
     rng = np.random.default_rng(12)
     rows = list(WARP_PARAMS)  # every filter, mixed, and a greedy row
     batch, k, vocab = len(rows), 2, 12
-    logits = torch.from_numpy(rng.normal(0, 2, (batch, k + 1, vocab)).astype(np.float32))
-    draft_tokens = torch.from_numpy(rng.integers(0, vocab, (batch, k)))
-    draft_len = torch.full((batch,), k)
-    per_row = torch_rule.RowSampling.of(rows)
+    logits = torch.from_numpy(rng.normal(0, 2, (batch, k + 1, vocab)).astype(np.float32)).to(device)
+    draft_tokens = torch.from_numpy(rng.integers(0, vocab, (batch, k))).to(device)
+    draft_len = torch.full((batch,), k, device=device)
+    per_row = torch_rule.RowSampling.of(rows, device)
     warped = torch_rule.warp_probs(logits, per_row)
-    uniform = torch_rule.keyed_uniform(torch.from_numpy(seed_words(list(range(batch)))), torch.arange(batch), k + 1)
+    seeds = torch.from_numpy(seed_words(list(range(batch)))).to(device)
+    uniform = torch_rule.keyed_uniform(seeds, torch.arange(batch, device=device), k + 1)
     accepted = torch_rule.accept_sampled(draft_tokens, draft_len, None, logits, per_row, uniform)
     for b, params in enumerate(rows):
         assert torch.equal(warped[b], torch_rule.warp_probs(logits[b], params))
         alone = torch_rule.accept_sampled(draft_tokens[b : b + 1], draft_len[b : b + 1], None, logits[b : b + 1],
                                           params, uniform[b : b + 1])
         assert (accepted[0][b], accepted[1][b]) == (alone[0][0], alone[1][0])
+
+
+def test_top_p_keeps_a_token_summing_to_just_past_one_minus_top_p_in_every_form():
+    """The top-p threshold at a float32 boundary: the least likely of two tokens has probability 0.10000002 (as the
+    softmax of float32 logits [-2.1972244, 0] rounds in both frameworks), just past float32(1 - 0.9) = 0.1, the
+    threshold Hugging Face compares with, and below 1 - float32(0.9) = 0.10000002384. Every form of the settings
+    keeps it: SamplingParams and per-row settings alike, in both frameworks (per-row top_p as float32 once dropped
+    it, so a fused cycle sampled other tokens than the host loop)."""
+    import jax.numpy as jnp
+
+    logits = np.array([[-2.1972244, 0.0]], np.float32)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    assert 0.1 < torch.softmax(torch.from_numpy(logits), -1)[0, 0] < 1 - np.float32(0.9)
+    warps = {
+        "torch": torch_rule.warp_probs(torch.from_numpy(logits), params).numpy(),
+        "torch per row": torch_rule.warp_probs(torch.from_numpy(logits), torch_rule.RowSampling.of([params])).numpy(),
+        "jax": np.asarray(jax_rule.warp_probs(jnp.asarray(logits), params)),
+        "jax per row": np.asarray(jax_rule.warp_probs(jnp.asarray(logits), jax_rule.RowSampling.of([params]))),
+    }
+    for form, probs in warps.items():
+        assert (probs > 0).all(), form
+    generation = pytest.importorskip("transformers.generation.logits_process")
+    kept = generation.TopPLogitsWarper(params.top_p)(None, torch.from_numpy(logits))
+    assert torch.isfinite(kept).all()
 
 
 def test_jax_per_row_settings_leave_each_row_as_its_settings_alone_leave_it():

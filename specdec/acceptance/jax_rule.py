@@ -23,7 +23,7 @@ from specdec.sampling import SamplingParams
 @dataclasses.dataclass(frozen=True)
 class RowSampling:
     """Per-row settings of a batch whose rows may sample differently, as arrays [B]: temperature (0: a greedy
-    row), top_k (0: off), top_p_rest (1 - top_p as SamplingParams' float gives it; 0: off) and min_p (0: off).
+    row), top_k (0: off), top_p_rest (SamplingParams.top_p_rest; 0: off) and min_p (0: off).
     `filters` (static) names the filters to run, where the caller knows them (a run of one setting); None (a
     server's rows, whose mix changes from cycle to cycle) picks them on the device, one branch of a lax.switch
     per set, so one program serves every mix. A filter leaves a row with it off as it is."""
@@ -41,7 +41,7 @@ class RowSampling:
             return np.asarray([0 if r.greedy else value(r) for r in rows], dtype)
 
         return cls(column(lambda r: r.temperature, np.float32), column(lambda r: r.top_k, np.int32),
-                   column(lambda r: 1 - r.top_p, np.float32), column(lambda r: r.min_p, np.float32), filters)
+                   column(lambda r: r.top_p_rest, np.float32), column(lambda r: r.min_p, np.float32), filters)
 
 
 FILTERS = ("top_k", "top_p", "min_p")
@@ -62,7 +62,7 @@ def warp_probs(logits: jax.Array, params: SamplingParams | RowSampling) -> jax.A
     if params.top_k > 0:
         logits = _top_k(logits, params.top_k)
     if params.top_p < 1:
-        logits = _top_p(logits, 1 - params.top_p)
+        logits = _top_p(logits, params.top_p_rest)
     if params.min_p > 0:
         logits = _min_p(logits, params.min_p)
     return jax.nn.softmax(logits, axis=-1)

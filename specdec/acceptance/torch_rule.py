@@ -20,19 +20,20 @@ _WORD = 0xFFFFFFFF
 @dataclass(frozen=True, eq=False)
 class RowSampling:
     """Per-row settings of a batch whose rows sample differently (a server's requests), as tensors [B]:
-    temperature (0: a greedy row), top_k (0: off), top_p (1: off), min_p (0: off). `filters` (static) names
+    temperature (0: a greedy row), top_k (0: off), top_p_rest (SamplingParams.top_p_rest; 0: off), min_p (0: off).
+    `filters` (static) names
     the filters any row uses, so the others cost nothing; a row with a filter off is left as it is."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
-    top_p: torch.Tensor
+    top_p_rest: torch.Tensor
     min_p: torch.Tensor
     filters: frozenset[str]
 
     @classmethod
     def of(cls, rows: list[SamplingParams], device=None) -> "RowSampling":
         as_t = lambda name, dtype: torch.tensor([getattr(r, name) for r in rows], dtype=dtype, device=device)  # noqa: E731
-        return cls(as_t("temperature", torch.float32), as_t("top_k", torch.long), as_t("top_p", torch.float32),
+        return cls(as_t("temperature", torch.float32), as_t("top_k", torch.long), as_t("top_p_rest", torch.float32),
                    as_t("min_p", torch.float32), frozenset().union(*(r.filters for r in rows)))
 
 
@@ -72,18 +73,21 @@ def _sampled_probs(logits: torch.Tensor, params: SamplingParams | RowSampling):
     logits = logits.float()
     if isinstance(params, SamplingParams):
         greedy_rows = None
-        temperature, top_k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
+        top_k, top_p_rest, min_p = params.top_k, params.top_p_rest, params.min_p
+        # A tensor on the logits' device, as RowSampling's is: CUDA divides by a Python float (a CPU scalar) as a
+        # multiply by its reciprocal, which rounds differently.
+        temperature = logits.new_full((), params.temperature)
     else:  # per row, shaped to broadcast over the dimensions after the first
         shape = (-1,) + (1,) * (logits.dim() - 1)
-        temperature, top_k, top_p, min_p = (t.view(shape) for t in
-                                             (params.temperature, params.top_k, params.top_p, params.min_p))
+        temperature, top_k, top_p_rest, min_p = (t.view(shape) for t in
+                                                  (params.temperature, params.top_k, params.top_p_rest, params.min_p))
         greedy_rows = temperature == 0
         temperature = torch.where(greedy_rows, 1.0, temperature)
     warped = logits / temperature
     if "top_k" in params.filters:
         warped = _top_k(warped, top_k)
     if "top_p" in params.filters:
-        warped = _top_p(warped, top_p)
+        warped = _top_p(warped, top_p_rest)
     if "min_p" in params.filters:
         warped = _min_p(warped, min_p)
     return torch.softmax(warped, dim=-1), greedy_rows
@@ -223,17 +227,17 @@ def _top_k(logits: torch.Tensor, top_k) -> torch.Tensor:
     return logits.masked_fill(logits < kth_largest, -torch.inf)
 
 
-def _top_p(logits: torch.Tensor, top_p) -> torch.Tensor:
-    """top_p: a float, or per row (1: off)."""
+def _top_p(logits: torch.Tensor, rest) -> torch.Tensor:
+    """Drop the least likely tokens summing to at most rest (SamplingParams.top_p_rest): a float, or per row (0: off)."""
     # Descending stable sort puts lower ids first among equal logits; flipped, it is HF's ascending
     # order with higher ids lower.
     sorted_desc, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     cumulative_asc = torch.softmax(sorted_desc.flip(-1), dim=-1).cumsum(dim=-1)
-    remove_asc = cumulative_asc <= 1 - top_p
+    remove_asc = cumulative_asc <= rest
     remove_asc[..., -1] = False  # the most likely token always stays
     remove = remove_asc.flip(-1).scatter(-1, order, remove_asc.flip(-1))
-    if isinstance(top_p, torch.Tensor):
-        remove &= top_p < 1
+    if isinstance(rest, torch.Tensor):
+        remove &= rest > 0
     return logits.masked_fill(remove, -torch.inf)
 
 

@@ -474,7 +474,7 @@ class FusedCycle:
 
     def _set_sampling(self, row: int, sampling: SamplingParams, seed: int) -> None:
         self.rows[row] = sampling
-        for name in ("temperature", "top_k", "top_p", "min_p"):
+        for name in ("temperature", "top_k", "top_p_rest", "min_p"):
             getattr(self.row_sampling, name)[row] = getattr(sampling, name)
         if not sampling.greedy:
             positions = torch.arange(self.verifier.max_seq_len, device=self.draws.device)
