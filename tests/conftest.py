@@ -1,6 +1,4 @@
-import json
 import os
-import shutil
 
 import pytest
 
@@ -33,18 +31,6 @@ def random_checkpoints(tmp_path_factory):
 @pytest.fixture
 def ckpt(random_checkpoints, tmp_path):
     """A random checkpoint with the real model's tokenizer (so the CLI can encode text)."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    from tests.checkpoints import with_real_tokenizer
 
-    from specdec.models.gguf_import import default_checkpoint
-
-    out = shutil.copytree(random_checkpoints["gemma3"], tmp_path / "ckpt")
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["vocab_size"] = 262144  # the tokenizer's
-    (out / "config.json").write_text(json.dumps(cfg))
-    tensors = load_file(out / "model.safetensors")
-    tensors["model.embed_tokens.weight"] = 0.1 * torch.randn(262144, 64)
-    save_file(tensors, out / "model.safetensors")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_checkpoint() / name, out / name)
-    return out
+    return with_real_tokenizer(random_checkpoints["gemma3"], tmp_path / "ckpt")

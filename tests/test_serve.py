@@ -6,19 +6,17 @@ batch; bad requests answered with OpenAI's error JSON; disconnecting clients fre
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from specdec.serve.app import ModelServer, ServeConfig
 from specdec.serve.bench import LoadSettings, run_load_apart, scrape_metrics as metrics
 from specdec.serve.scheduler import SpeculativeConfig
+from tests.checkpoints import with_real_tokenizer
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
                  "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
@@ -28,18 +26,8 @@ MAX_TOKENS = [8, 12, 16, 10, 14, 6]
 
 
 def tiny_checkpoint(random_checkpoints, directory, chat_template: str | None):
-    """The random gemma3 checkpoint with the real model's tokenizer (as tests/test_cli.py's `ckpt`)."""
-    from specdec.models.gguf_import import default_checkpoint
-
-    out = shutil.copytree(random_checkpoints["gemma3"], directory)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["vocab_size"] = 262144  # the tokenizer's
-    (out / "config.json").write_text(json.dumps(cfg))
-    tensors = load_file(out / "model.safetensors")
-    tensors["model.embed_tokens.weight"] = 0.1 * torch.randn(262144, 64, generator=torch.Generator().manual_seed(0))
-    save_file(tensors, out / "model.safetensors")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_checkpoint() / name, out / name)
+    """The random gemma3 checkpoint with the real model's tokenizer and the given chat template (None: none)."""
+    out = with_real_tokenizer(random_checkpoints["gemma3"], directory)
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
     tokenizer_config.pop("chat_template", None)
     if chat_template is not None:
