@@ -6,7 +6,6 @@ tokens), and configurations that do not split are refused in one line. In bf16 t
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -278,20 +277,9 @@ def test_parts_that_cannot_be_computed_so_are_refused(random_checkpoints, moe_ch
 
 def test_cli_parts_under_torchrun_print_what_one_process_prints(k_eq_v_checkpoint, tmp_path):
     """bf16 on the CPU, the Gemma 4 dense model (k_eq_v globals) given the real tokenizer's vocabulary."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    from tests.checkpoints import with_real_tokenizer
 
-    from specdec.models.gguf_import import default_checkpoint
-
-    ckpt = shutil.copytree(k_eq_v_checkpoint, tmp_path / "dense")
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["vocab_size"] = 262144
-    (ckpt / "config.json").write_text(json.dumps(cfg))
-    tensors = load_file(ckpt / "model.safetensors")
-    tensors["model.embed_tokens.weight"] = 0.1 * torch.randn(262144, cfg["hidden_size"])
-    save_file(tensors, ckpt / "model.safetensors")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_checkpoint() / name, ckpt / name)
+    ckpt = with_real_tokenizer(k_eq_v_checkpoint, tmp_path / "dense")
     one = generate(ckpt, tmp_path, "--tp-parts", "2", "--dtype", "bfloat16")
     torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()))
     two = generate(ckpt, tmp_path, "--tensor-parallel", "2", "--tp-parts", "2", "--dtype", "bfloat16", launcher=torchrun)
