@@ -90,8 +90,8 @@ def load(
     load (launch with `torchrun --nproc-per-node N` and join its group with init_distributed first); every
     process then runs the same generation and gets the same tokens.
 
-    `tp_parts` (torch): compute every split weight in that many parts, on any device count that divides it
-    (torch_gemma.check_tp_parts), so that 1, 2, ... devices decode the same tokens; without it, a bf16 model on
+    `tp_parts`: compute every split weight in that many parts, on any device count that divides it
+    (config.check_tp_parts), so that 1, 2, ... devices decode the same tokens; without it, a bf16 model on
     2 devices does not decode what it decodes on 1.
 
     `tokenizer_in_child`, for one-off generations: the tokenizer is parsed in a child process while this one
@@ -144,9 +144,6 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
     else:
         from specdec.verifiers.jax_engine import JaxEngine
 
-        if tp_parts is not None:
-            raise SpecdecError("tensor-parallel parts (--tp-parts) are a torch engine option")
-
         # XLA reserves 75% of a GPU's memory when it first starts: 1-2 s of every command on an H200
         # (docs/benchmarks.md, issue 8). Allocate on demand instead, unless the user has chosen.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -164,7 +161,7 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
         # compile_ahead): 1.3-1.7 s of a first run on an H200 that the compile no longer waits for.
         verifier = JaxEngine.from_checkpoint(
             path, dtype=dtype, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers,
-            invariant=invariant, mesh=mesh, background=mesh is None,
+            invariant=invariant, mesh=mesh, tp_parts=tp_parts, background=mesh is None and tp_parts is None,
         )
         cfg = verifier.cfg
     return verifier, cfg

@@ -76,7 +76,7 @@ def generate(
     invariant: bool = typer.Option(True, help="row-invariant forwards: greedy output identical to plain decoding"),
     compile: Optional[bool] = typer.Option(None, help="torch.compile the forward (CUDA): ~2.5x faster decoding after 10-45 s of compiling [default: from 2048 new tokens on]"),
     tensor_parallel: int = typer.Option(1, help="split the model over N devices (torch: launch with torchrun --nproc-per-node N; JAX: this process's first N devices)"),
-    tp_parts: Optional[int] = typer.Option(None, help="torch: compute each split weight in P parts on any device count dividing P, so 1..P devices decode identical tokens (costs launches)"),
+    tp_parts: Optional[int] = typer.Option(None, help="compute each split weight in P parts on any device count dividing P, so 1..P devices decode identical tokens (costs launches)"),
 ):
     """Generate text, streaming it, then print set-up and decoding times, tau, acceptance and tok/s."""
     import specdec

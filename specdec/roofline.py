@@ -25,8 +25,8 @@ recompile dynamic in T after the second width.
 Tensor parallel over N devices (`--tensor-parallel 1,2`): torch runs one process per device under torchrun (NCCL;
 gloo on the CPU), JAX one process over a mesh of N devices. The roofline is then N devices' bandwidth over the
 same bytes, and every row keeps the greedy tokens it decoded and a digest of the logits of one verify forward, so
-the table says whether N devices decode, and compute to the bit, what one does. `--tp-parts P` runs the torch
-rows in P parts on every device count (torch_gemma.check_tp_parts), which is what makes them agree in bf16.
+the table says whether N devices decode, and compute to the bit, what one does. `--tp-parts P` runs the rows in P
+parts on every device count (config.check_tp_parts), which is what makes them agree in bf16.
 """
 
 from __future__ import annotations
@@ -244,8 +244,7 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         return None
     return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": dtype.itemsize,
             "device": torch.cuda.get_device_name() if cuda else "cpu", "version": torch.__version__,
-            "compiled": cuda and args.torch_compile, "tokens": tokens, "logits_digest": digest, "verify_ms": verify_ms,
-            "tp_parts": args.tp_parts}
+            "compiled": cuda and args.torch_compile, "tokens": tokens, "logits_digest": digest, "verify_ms": verify_ms}
 
 
 def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) -> dict:
@@ -258,18 +257,20 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
 
     compile_cache.enable_jax()
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" and not args.tiny else jnp.float32
+    split = dict(mesh=make_mesh(tp) if tp > 1 else None, tp_parts=args.tp_parts)
+    pack = tp == 1 and args.tp_parts is None  # as a one-device engine holds them
     if checkpoint:
-        cfg, params = load_params(checkpoint, dtype, pack=tp == 1)
+        cfg, params = load_params(checkpoint, dtype, pack=pack)
     else:
-        params = random_params(cfg, jax.random.key(0), dtype, pack=tp == 1)  # as a one-device engine holds them
-    engine = JaxEngine(cfg, params, max_seq_len=CONTEXT, k_max=K_MAX, mesh=make_mesh(tp) if tp > 1 else None)
+        params = random_params(cfg, jax.random.key(0), dtype, pack=pack)
+    engine = JaxEngine(cfg, params, max_seq_len=CONTEXT, k_max=K_MAX, **split)
     del params  # a mesh's shards are copies: one model's weights held, not two
     step, tokens = time_plain_decode(lambda: JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")
     digest = logits_digest(engine, prompt)
 
     def verify_s(width: int) -> float:
         per_width = JaxEngine(cfg, engine.params, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
-                              mesh=make_mesh(tp) if tp > 1 else None)
+                              **split)
         pending = per_width.prefill([prompt])
         ids = jnp.broadcast_to(jnp.asarray(pending, jnp.int32)[:, None], (1, width))
         return median_seconds(lambda: per_width.verify(ids).logits.block_until_ready(), 20)
@@ -306,7 +307,8 @@ def child(engine: str, name: str, tp: int, args) -> dict | None:
     result = (measure_torch if engine == "torch" else measure_jax)(cfg, checkpoint, prompt, args, tp)
     if result is None:
         return None
-    return dict(result, engine=engine, model=name, tensor_parallel=tp, bytes_per_step=step_bytes(cfg, result["itemsize"]),
+    return dict(result, engine=engine, model=name, tensor_parallel=tp, tp_parts=args.tp_parts,
+                bytes_per_step=step_bytes(cfg, result["itemsize"]),
                 **({"layers": cfg.num_layers} if args.layers else {}))
 
 
@@ -324,7 +326,7 @@ def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dic
     command += ["--tiny"] * args.tiny + ["--no-torch-compile"] * (not args.torch_compile)
     command += ["--verify-widths", ",".join(map(str, args.verify_widths))] if args.verify_widths else []
     command += ["--config-270m", str(args.config_270m)] if args.config_270m else []
-    command += ["--tp-parts", str(args.tp_parts)] if args.tp_parts and engine == "torch" else []
+    command += ["--tp-parts", str(args.tp_parts)] if args.tp_parts else []
     command += ["--layers", str(args.layers)] if args.layers else []
     return command, env
 
@@ -477,8 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens kept per row (compared across devices)")
     parser.add_argument("--layers", type=int, help="cut each model to its first N layers (shorter compiles, the "
                         "same layer shapes; the 270m and 31b)")
-    parser.add_argument("--tp-parts", type=int, help="torch: compute each split weight in this many parts on every "
-                        "device count (torch_gemma.check_tp_parts), so that 1..P devices compute the same bits")
+    parser.add_argument("--tp-parts", type=int, help="compute each split weight in this many parts on every "
+                        "device count (config.check_tp_parts), so that 1..P devices compute the same bits")
     parser.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
                         help="torch: CUDA graphs of the eager forward (no torch.compile)")
     parser.add_argument("--verify-widths", type=lambda text: [int(t) for t in text.split(",")], default=[],

@@ -49,17 +49,21 @@ def test_a_failed_measurement_fails_the_run():
     assert done.stderr.strip().splitlines()[-1] == "specdec roofline: 1 measurement(s) failed: torch 31b on 3 device(s)"
 
 
-def test_torch_rows_in_parts_compare_bits_across_device_counts(tmp_path):
-    """--tp-parts runs the torch rows in parts and --layers cuts the model; each row keeps a digest of its logits,
-    and the table says whether two devices computed one device's bits."""
+def test_rows_in_parts_compare_bits_across_device_counts(tmp_path):
+    """--tp-parts runs the rows of both engines in parts and --layers cuts the model; each row keeps a digest of its
+    logits, and the table says whether two devices computed one device's bits."""
     out = tmp_path / "roofline.json"
-    done = roofline("--tiny", "--models", "31b", "--engines", "torch", "--tensor-parallel", "1,2", "--tp-parts", "2",
-                    "--layers", "3", "--steps", "2", "--tokens", "4", "--out", str(out))
+    done = roofline("--tiny", "--models", "31b", "--engines", "torch,jax", "--tensor-parallel", "1,2", "--tp-parts",
+                    "2", "--layers", "3", "--steps", "2", "--tokens", "4", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["tensor_parallel"], r["tp_parts"]) for r in rows] == [(1, 2), (2, 2)]
-    assert rows[0]["logits_digest"] == rows[1]["logits_digest"]
-    assert rows[0]["layers"] == rows[1]["layers"] == 3
+    rows = {(r["engine"], r["tensor_parallel"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("torch", 1), ("torch", 2), ("jax", 1), ("jax", 2)}
+    for engine in ("torch", "jax"):
+        one, two = rows[(engine, 1)], rows[(engine, 2)]
+        assert one["tp_parts"] == two["tp_parts"] == 2 and one["layers"] == two["layers"] == 3
+        assert one["logits_digest"] == two["logits_digest"]
     assert "3 layers" in done.stderr
-    line = next(line for line in done.stdout.splitlines() if line.startswith("31b ") and line.split()[2] == "2")
-    assert line.split()[3] == "2" and line.split()[-3:-1] == ["yes", "yes"]  # parts; tokens and bits as one device's
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("31b ") and line.split()[2] == "2"]
+    assert sorted(line[1] for line in lines) == ["jax", "torch"]
+    for line in lines:
+        assert line[3] == "2" and line[-3:-1] == ["yes", "yes"]  # parts; tokens and bits as one device's

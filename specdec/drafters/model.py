@@ -56,6 +56,8 @@ def drafter_engine(source, verifier):
         from specdec.verifiers.jax_engine import JaxEngine
 
         cfg, params = (source.cfg, source.params) if from_engine else source
+        if from_engine and source.parts is not None:  # its weights are packed in parts
+            settings.update(mesh=source.mesh, tp_parts=source.parts.count)
         return JaxEngine(cfg, params, **settings)
     from specdec.verifiers.torch_engine import TorchEngine
 

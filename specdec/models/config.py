@@ -94,6 +94,26 @@ def check_tensor_parallel(cfg: "GemmaConfig", tp: int, splitter: str | None = No
         raise SpecdecError(f"{splitter} {problems[0]}{more}")
 
 
+def check_tp_parts(cfg: "GemmaConfig", parts: int, devices: int) -> None:
+    """Tensor-parallel parts (torch_gemma.GemmaModel's and jax_engine.JaxEngine's `tp_parts`). In bf16 a split
+    changes the arithmetic: a row-parallel linear's halves are rounded before they are added, and a GEMM of half the
+    width may be tiled or split differently by the GEMM library, so 2 devices do not emit the greedy tokens 1 device
+    emits. With `parts` P, every split weight (heads, MLP columns, the LM head's vocabulary) is computed as P GEMMs
+    of a P-way split's shapes on any device count N that divides P, each device running P / N of them, and the
+    row-parallel partial outputs are added in one fixed order (sum_parts). Every N then runs the same GEMMs on the
+    same operands. Compiled, each engine also keeps the roundings its compiler could drop where its fused kernels end
+    at other places on 1 and N devices (torch: torch_engine._configure_compile; JAX: sum_parts rounds each partial
+    explicitly). It costs more launches (P / N GEMMs where there was one) and a gather of the partial outputs in
+    place of an all-reduce. One line for what cannot be split so."""
+    if parts < 1 or parts % devices:
+        raise SpecdecError(f"tensor-parallel parts must be a positive multiple of the {devices} device(s), got {parts}")
+    if cfg.enable_moe_block:
+        raise SpecdecError("tensor-parallel parts do not cover MoE experts (their outputs are summed per device)")
+    if cfg.vocab_size % parts:
+        raise SpecdecError(f"{parts} tensor-parallel parts do not divide the vocabulary of {cfg.vocab_size}")
+    check_tensor_parallel(cfg, parts, f"{parts} tensor-parallel parts do not divide")
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float

@@ -9,6 +9,9 @@ cache alone, each row to the stored positions <= its own (row invariance); a pre
 slots with position < its first position plus itself causally, and commits after the last layer (the last
 `slots` tokens when the chunk is longer than a ring). k_eq_v layers store the normed raw K (which is
 V) and rebuild K from it; KV-shared layers read their producer's cache and the producer's new keys/values.
+In tensor-parallel parts (`Parts`), the forward runs inside shard_map, each part of each device as a device
+holding that part alone: its own GEMMs, its own cache writes and attention over its KV heads, partial outputs
+added in one order (sum_parts).
 
 Params are the checkpoint's tensors under their stripped HF names (`layers.3.self_attn.q_proj.weight`), in
 torch's [out, in] layout, or those with each layer's q/k/v and gate/up packed into one weight
@@ -18,6 +21,7 @@ static argument: `jax.jit(lambda p, t, pos, c: forward(p, cfg, t, pos, c), donat
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from functools import partial
 from pathlib import Path
@@ -28,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
-from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq
+from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq, vocab_rows
 
 Params = dict[str, jax.Array]
 Cache = dict[str, Any]  # {"keys": [per layer], "values": [per layer], "slot_pos": {kind: [B, S] int32}}
@@ -82,6 +86,44 @@ def pack_projections(params: Params) -> Params:
             if len(members) > 1:
                 params[packed_name(layer + block, members)] = jnp.concatenate(
                     [params.pop(f"{layer}{block}{m}.weight") for m in members])
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """Tensor-parallel parts (config.check_tp_parts): every split weight computed as `count` GEMMs of a `count`-way
+    split's shapes, `count / devices` of them on each device of mesh axis `axis`, and row-parallel partial outputs
+    added in one order (sum_parts). A forward in parts runs inside shard_map (jax_engine.forward_in_parts) on each
+    device's blocks of the weights laid out by pack_parts, and of the cache split by KV head."""
+
+    count: int
+    devices: int
+    axis: str = "tp"
+
+    @property
+    def local(self) -> int:
+        """The parts each device computes."""
+        return self.count // self.devices
+
+    def splits_table(self, cfg: GemmaConfig, name: str) -> bool:
+        """Whether token table `name` is split by vocabulary (when the parts divide it; else it is whole)."""
+        return vocab_rows(cfg, name) % self.count == 0
+
+
+def pack_parts(params: Params, count: int) -> Params:
+    """pack_projections in `count` parts: each packed weight holds part 0's rows of every linear, then part 1's, ...
+    ([count * rows of a part, in]), so that a split by rows over any device count dividing `count` leaves each device
+    whole parts, each the matrix a device holding that part alone would pack. A single linear (a KV-shared layer's
+    q_proj) is already in that order."""
+    params = dict(params)
+    layers = {_layer_prefix(name) for name in params} - {""}
+    for layer in sorted(layers):
+        for block, names in PACKS.items():
+            members = [m for m in names if f"{layer}{block}{m}.weight" in params]
+            if len(members) > 1:
+                chunks = [jnp.split(params.pop(f"{layer}{block}{m}.weight"), count) for m in members]
+                params[packed_name(layer + block, members)] = jnp.concatenate(
+                    [chunk[part] for part in range(count) for chunk in chunks])
     return params
 
 
@@ -217,13 +259,63 @@ def _keys_from_stored(stored, k_norm_weight, cos, sin):
     return _apply_rope(k, cos, sin)
 
 
-def _project(params: Params, prefix: str, names, x, sizes=None) -> list:
+def _project(params: Params, prefix: str, names, x, sizes=None, parts: Parts | None = None, part: int = 0) -> list:
     """x through the linears `prefix + name` in order, each giving `sizes[i]` features (None: as many each):
-    one GEMM over their packed weight (pack_projections) when the params hold it."""
-    packed = params.get(packed_name(prefix, names))
-    if packed is None:
-        return [_linear(x, params[f"{prefix}{name}.weight"]) for name in names]
+    one GEMM over their packed weight (pack_projections) when the params hold it. In `parts`: part `part` of this
+    device's block (pack_parts), whose linears give sizes / parts.count features."""
+    if parts is not None:
+        block = params[packed_name(prefix, names) if len(names) > 1 else f"{prefix}{names[0]}.weight"]
+        rows = block.shape[0] // parts.local
+        packed = block[part * rows : (part + 1) * rows]
+        sizes = None if sizes is None else [size // parts.count for size in sizes]
+    else:
+        packed = params.get(packed_name(prefix, names))
+        if packed is None:
+            return [_linear(x, params[f"{prefix}{name}.weight"]) for name in names]
     return jnp.split(_linear(x, packed), len(names) if sizes is None else np.cumsum(sizes)[:-1], axis=-1)
+
+
+def _row_parallel(params: Params, name: str, inputs: list, parts: Parts | None):
+    """The row-parallel linear `name` (o_proj, down_proj) over one input per part (in `parts`, each part's columns of
+    this device's block, the partials then added by sum_parts; else the one input)."""
+    weight = params[name]
+    if parts is None:
+        return _linear(inputs[0], weight)
+    cols = weight.shape[1] // parts.local
+    return sum_parts([_linear(x, weight[:, part * cols : (part + 1) * cols]) for part, x in enumerate(inputs)], parts)
+
+
+def sum_parts(partials: list, parts: Parts):
+    """A row-parallel linear's output from its parts' partial outputs: every device's gathered in device order,
+    added one by one in float32 and rounded once, so any device count adds the same partials in the same order (an
+    all-reduce's order is the library's). Each partial is rounded to its dtype explicitly: where no gather stores the
+    partials (one device), XLA's excess precision could otherwise feed a product's float32 to the sum unrounded (on
+    the CPU the bits are the same without it; not yet checked on a GPU)."""
+    stacked = jnp.stack(partials)
+    rounded = jax.lax.reduce_precision(stacked.astype(jnp.float32), *_bits(stacked.dtype))
+    gathered = jax.lax.all_gather(rounded, parts.axis, axis=0, tiled=True)  # [parts.count, ...]
+    total = gathered[0]
+    for part in range(1, parts.count):
+        total = total + gathered[part]
+    return total.astype(stacked.dtype)
+
+
+def _bits(dtype) -> tuple[int, int]:
+    """(exponent bits, mantissa bits) of a float dtype, for lax.reduce_precision."""
+    info = jnp.finfo(dtype)
+    return info.nexp, info.nmant
+
+
+def _lookup(params: Params, cfg: GemmaConfig, name: str, tokens, parts: Parts | None):
+    """Rows of token table `name` for `tokens`. Split by vocabulary over the devices, each device gives zeros for the
+    tokens it does not hold and the sum across devices is every token's row, exactly."""
+    table = params[name]
+    if parts is None or not parts.splits_table(cfg, name):
+        return jnp.take(table, tokens, axis=0)
+    local = tokens - jax.lax.axis_index(parts.axis) * table.shape[0]
+    held = (local >= 0) & (local < table.shape[0])
+    rows = jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0)
+    return jax.lax.psum(jnp.where(held[..., None], rows, jnp.zeros((), rows.dtype)), parts.axis)
 
 
 def _project_kv(params: Params, cfg: GemmaConfig, spec: LayerSpec, raw_k, raw_v, ctx):
@@ -247,55 +339,84 @@ def _project_kv(params: Params, cfg: GemmaConfig, spec: LayerSpec, raw_k, raw_v,
     return k, v, (k, v)
 
 
-def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache: Cache, shared_kv, writes):
+def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache: Cache, shared_kv, writes,
+               parts: Parts | None = None):
     B, T, _ = x.shape
     p = f"layers.{spec.index}.self_attn."
-    hd, kind, nkv = spec.head_dim, spec.kind, spec.num_kv_heads
-    groups = cfg.num_heads // nkv
+    hd, kind = spec.head_dim, spec.kind
+    groups = cfg.num_heads // spec.num_kv_heads
+    nkv = spec.num_kv_heads // (parts.count if parts else 1)  # of a part (in `parts`), else of the model
     names = ("q_proj",) + (("k_proj",) + (() if spec.k_eq_v else ("v_proj",)) if spec.owns_cache else ())
-    q, *kv = _project(params, p, names, x, (cfg.num_heads * hd,) + (nkv * hd,) * (len(names) - 1))
-    q = q.reshape(B, T, cfg.num_heads, hd)
-    q = _apply_rope(_rms_norm(q, params[p + "q_norm.weight"], cfg), ctx["cos"][kind], ctx["sin"][kind])
-    q = q.reshape(B, T, nkv, groups, hd)  # query head h uses kv head h // groups
+    sizes = (cfg.num_heads * hd,) + (spec.num_kv_heads * hd,) * (len(names) - 1)
+    queries, new_kv = [], []
+    for part in range(parts.local if parts else 1):
+        q, *kv = _project(params, p, names, x, sizes, parts, part)
+        q = q.reshape(B, T, nkv * groups, hd)
+        q = _apply_rope(_rms_norm(q, params[p + "q_norm.weight"], cfg), ctx["cos"][kind], ctx["sin"][kind])
+        queries.append(q.reshape(B, T, nkv, groups, hd))  # query head h uses kv head h // groups
+        if spec.owns_cache:
+            new_kv.append(_project_kv(params, cfg, spec, kv[0], kv[1] if len(kv) > 1 else None, ctx))
 
     if spec.owns_cache:
-        k_new, v_new, stored = _project_kv(params, cfg, spec, kv[0], kv[1] if len(kv) > 1 else None, ctx)
         if ctx["commit_first"]:
-            _write_kv(cache, spec.index, ctx["slots"][kind], *stored)
-        else:
+            # Each part writes its own heads: joined first, XLA would compute every part's keys in one wider
+            # fusion, which on the CPU rounded otherwise than a device holding one part (float32).
+            for part, (_, _, stored) in enumerate(new_kv):
+                held = None if parts is None else (part * nkv, (part + 1) * nkv)
+                _write_kv(cache, spec.index, ctx["slots"][kind], *stored, heads=held)
+        else:  # one part at most (forward)
+            k_new, v_new, stored = new_kv[0]
             writes[spec.index] = stored
             shared_kv[spec.index] = (k_new, v_new)
     elif not ctx["commit_first"]:
         k_new, v_new = shared_kv[spec.kv_source]
-    k_old, v_old = cache["keys"][spec.kv_source], cache["values"][spec.kv_source]
-    if v_old is None:  # k_eq_v: the stored tensor is V; rebuild K at the stored positions
-        v_old = k_old
-        k_norm = params[f"layers.{spec.kv_source}.self_attn.k_norm.weight"]
-        k_old = _keys_from_stored(k_old, k_norm, ctx["cached_cos"][kind], ctx["cached_sin"][kind])
+    outs = []
+    for part, q in enumerate(queries):  # each part over its own heads, as a device holding that part alone
+        heads = partial(_heads, part=part, nkv=nkv, count=len(queries))
+        k_old, v_old = heads(cache["keys"][spec.kv_source]), cache["values"][spec.kv_source]
+        if v_old is None:  # k_eq_v: the stored tensor is V; rebuild K at the stored positions
+            v_old = k_old
+            k_norm = params[f"layers.{spec.kv_source}.self_attn.k_norm.weight"]
+            k_old = _keys_from_stored(k_old, k_norm, ctx["cached_cos"][kind], ctx["cached_sin"][kind])
+        else:
+            v_old = heads(v_old)
+        kv = [(k_old, v_old)] if ctx["commit_first"] else [(k_old, v_old), (heads(k_new), heads(v_new))]
+        outs.append(_attend(cfg, q, kv, ctx["mask"][kind]).reshape(B, T, -1))
+    return _row_parallel(params, p + "o_proj.weight", outs, parts)
 
-    # Decode: the cache alone. Prefill: [cached slots | this chunk] without concatenating the cache; scores
-    # are joined for one softmax, then split again for the value products. A KV head's rows run by token, then
-    # query head, as in torch_gemma: XLA then lays the scores out slot-contiguous, and the softmax over them took
-    # 2.4 us a sliding layer on an H100, against 5.0-5.3 us with rows by head.
-    parts = [(k_old, v_old)] if ctx["commit_first"] else [(k_old, v_old), (k_new, v_new)]
-    scores = jnp.concatenate([jnp.einsum("btkgd,bksd->bktgs", q, k) for k, _ in parts], axis=-1)
+
+def _heads(t, *, part: int, nkv: int, count: int):
+    """Part `part`'s KV heads of [B, n_kv, S, hd] (all of them when there is one part)."""
+    return t if count == 1 else t[:, part * nkv : (part + 1) * nkv]
+
+
+def _attend(cfg: GemmaConfig, q, kv: list, mask):
+    """q [B, T, n_kv, groups, hd] over kv [(keys, values) [B, n_kv, S, hd]] -> [B, T, n_kv, groups, hd].
+
+    Decode: the cache alone. Prefill: [cached slots | this chunk] without concatenating the cache; scores
+    are joined for one softmax, then split again for the value products. A KV head's rows run by token, then
+    query head, as in torch_gemma: XLA then lays the scores out slot-contiguous, and the softmax over them took
+    2.4 us a sliding layer on an H100, against 5.0-5.3 us with rows by head."""
+    scores = jnp.concatenate([jnp.einsum("btkgd,bksd->bktgs", q, k) for k, _ in kv], axis=-1)
     scores = scores * cfg.attention_scale
     if cfg.attn_logit_softcapping is not None:
         cap = cfg.attn_logit_softcapping
         scores = jnp.tanh(scores / cap) * cap
-    scores = jnp.where(ctx["mask"][kind], scores, -jnp.inf)
+    scores = jnp.where(mask, scores, -jnp.inf)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-    splits = np.cumsum([v.shape[2] for _, v in parts])[:-1]
-    out = sum(jnp.einsum("bktgs,bksd->btkgd", p_, v) for p_, (_, v) in zip(jnp.split(probs, splits, axis=-1), parts))
-    return _linear(out.reshape(B, T, cfg.num_heads * hd), params[p + "o_proj.weight"])
+    splits = np.cumsum([v.shape[2] for _, v in kv])[:-1]
+    return sum(jnp.einsum("bktgs,bksd->btkgd", p_, v) for p_, (_, v) in zip(jnp.split(probs, splits, axis=-1), kv))
 
 
 # -- feed-forward -----------------------------------------------------------------------------------------
 
 
-def _mlp(params: Params, prefix: str, x):
-    gate, up = _project(params, prefix, PACKS["mlp."], x)
-    return _linear(_gelu(gate) * up, params[prefix + "down_proj.weight"])
+def _mlp(params: Params, prefix: str, x, parts: Parts | None = None):
+    hidden = []
+    for part in range(parts.local if parts else 1):
+        gate, up = _project(params, prefix, PACKS["mlp."], x, parts=parts, part=part)
+        hidden.append(_gelu(gate) * up)
+    return _row_parallel(params, prefix + "down_proj.weight", hidden, parts)
 
 
 def _route(params: Params, cfg: GemmaConfig, prefix: str, x):
@@ -324,14 +445,14 @@ def _experts(params: Params, prefix: str, x, weights, index):
 
 
 def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_layer_input, ctx, cache, shared_kv,
-                   writes):
+                   writes, parts: Parts | None = None):
     p = f"layers.{spec.index}."
     norm = lambda name, v: _rms_norm(v, params[p + name + ".weight"], cfg)  # noqa: E731
     residual = x
-    attn = _attention(params, cfg, spec, norm("input_layernorm", x), ctx, cache, shared_kv, writes)
+    attn = _attention(params, cfg, spec, norm("input_layernorm", x), ctx, cache, shared_kv, writes, parts)
     x = residual + norm("post_attention_layernorm", attn)
     residual = x
-    h = _mlp(params, p + "mlp.", norm("pre_feedforward_layernorm", x))
+    h = _mlp(params, p + "mlp.", norm("pre_feedforward_layernorm", x), parts)
     if cfg.enable_moe_block:
         flat = residual.reshape(-1, residual.shape[-1])
         weights, index = _route(params, cfg, p, flat)
@@ -350,24 +471,26 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
 # -- the model --------------------------------------------------------------------------------------------
 
 
-def _per_layer_inputs(params: Params, cfg: GemmaConfig, tokens, embeds):
+def _per_layer_inputs(params: Params, cfg: GemmaConfig, tokens, embeds, parts: Parts | None = None):
     B, T = tokens.shape
     p = cfg.hidden_size_per_layer_input
     dtype = embeds.dtype
-    token_part = jnp.take(params["embed_tokens_per_layer.weight"], tokens, axis=0) * jnp.asarray(p**0.5, dtype)
+    token_part = _lookup(params, cfg, "embed_tokens_per_layer.weight", tokens, parts) * jnp.asarray(p**0.5, dtype)
     token_part = token_part.reshape(B, T, cfg.num_layers, p)
     context = _linear(embeds, params["per_layer_model_projection.weight"]) * cfg.hidden_size**-0.5
     context = _rms_norm(context.reshape(B, T, cfg.num_layers, p), params["per_layer_projection_norm.weight"], cfg)
     return (context + token_part) * 2.0**-0.5
 
 
-def _write_kv(cache: Cache, index: int, slots, k, v) -> None:
-    """Decode: store layer `index`'s new keys (and values) [B, n_kv, T, hd] at their slots in the live cache."""
+def _write_kv(cache: Cache, index: int, slots, k, v, heads: tuple[int, int] | None = None) -> None:
+    """Decode: store layer `index`'s new keys (and values) [B, n_kv, T, hd] at their slots in the live cache (with
+    `heads`, as its KV heads first..last)."""
     rows, slot = slots
-    cache["keys"][index] = cache["keys"][index].at[rows, :, slot].set(k.transpose(0, 2, 1, 3), unique_indices=True)
+    held = slice(None) if heads is None else slice(*heads)
+    cache["keys"][index] = cache["keys"][index].at[rows, held, slot].set(k.transpose(0, 2, 1, 3), unique_indices=True)
     if v is not None:
-        cache["values"][index] = cache["values"][index].at[rows, :, slot].set(v.transpose(0, 2, 1, 3),
-                                                                                unique_indices=True)
+        cache["values"][index] = cache["values"][index].at[rows, held, slot].set(v.transpose(0, 2, 1, 3),
+                                                                                   unique_indices=True)
 
 
 def _commit(cfg: GemmaConfig, cache: Cache, writes: dict, positions, x) -> Cache:
@@ -407,14 +530,18 @@ def forward(
     hidden_layers: tuple[int, ...] = (),
     last_only: bool = False,
     commit_first: bool = False,
+    parts: Parts | None = None,
 ):
     """Run tokens [B, T] at positions [B, T] (contiguous per row) against the cache and commit them.
     Returns (float32 logits [B, T, V] ([B, 1, V] with last_only), the hidden states after `hidden_layers`
     [B, T, len(hidden_layers), H] or None, the new cache). `commit_first` runs it as a decode forward
-    (module docstring); it needs T <= decode_width(k_max) of the cache's ring."""
+    (module docstring); it needs T <= decode_width(k_max) of the cache's ring. `parts`: in tensor-parallel parts,
+    inside shard_map (Parts); decode forwards only (the engines' forwards are all decode forwards)."""
+    if parts is not None and not commit_first:
+        raise ValueError("a forward in tensor-parallel parts commits first (a decode forward)")
     dtype = params["embed_tokens.weight"].dtype
-    x = jnp.take(params["embed_tokens.weight"], tokens, axis=0) * jnp.asarray(cfg.hidden_size**0.5, dtype)
-    per_layer = _per_layer_inputs(params, cfg, tokens, x) if cfg.has_per_layer_inputs else None
+    x = _lookup(params, cfg, "embed_tokens.weight", tokens, parts) * jnp.asarray(cfg.hidden_size**0.5, dtype)
+    per_layer = _per_layer_inputs(params, cfg, tokens, x, parts) if cfg.has_per_layer_inputs else None
     if commit_first:  # a live copy: the layers write their slots into it as they go
         cache = {"keys": list(cache["keys"]), "values": list(cache["values"]), "slot_pos": dict(cache["slot_pos"])}
     ctx = _chunk_context(cfg, positions, cache, dtype, commit_first)
@@ -423,24 +550,29 @@ def forward(
     taps = {}
     for spec in cfg.layers:
         layer_input = per_layer[:, :, spec.index] if per_layer is not None else None
-        x = _decoder_layer(params, cfg, spec, x, layer_input, ctx, cache, shared_kv, writes)
+        x = _decoder_layer(params, cfg, spec, x, layer_input, ctx, cache, shared_kv, writes, parts)
         if spec.index in hidden_layers:
             taps[spec.index] = x
     new_cache = cache if commit_first else _commit(cfg, cache, writes, positions, x)
     hidden = jnp.stack([taps[i] for i in hidden_layers], axis=2) if hidden_layers else None
-    return final_logits(params, cfg, x[:, -1:] if last_only else x), hidden, new_cache
+    return final_logits(params, cfg, x[:, -1:] if last_only else x, parts=parts), hidden, new_cache
 
 
-def final_logits(params: Params, cfg: GemmaConfig, hidden, vocab_ids=None):
+def final_logits(params: Params, cfg: GemmaConfig, hidden, vocab_ids=None, parts: Parts | None = None):
     """The model's output head: hidden [..., H] (the state after the last layer, before the final norm) ->
     float32 logits [..., V], or [..., len(vocab_ids)] over only those target ids (the LM head's rows gathered
     first, so a reduced vocabulary never materialises the full [..., V] logits). Final norm, LM head
-    (tied to the embedding or not), final softcap: what `forward` returns."""
+    (tied to the embedding or not), final softcap: what `forward` returns. In `parts`, the head is one GEMM per
+    vocabulary part, gathered in order."""
     x = _rms_norm(hidden, params["norm.weight"], cfg)
     head = params["embed_tokens.weight"] if cfg.tie_word_embeddings else params["lm_head.weight"]
     if vocab_ids is not None:
         head = jnp.take(head, vocab_ids, axis=0)
-    logits = _linear(x, head).astype(jnp.float32)
+    if parts is None:
+        logits = _linear(x, head).astype(jnp.float32)
+    else:
+        logits = jnp.concatenate([_linear(x, rows) for rows in jnp.split(head, parts.local)], axis=-1)
+        logits = jax.lax.all_gather(logits.astype(jnp.float32), parts.axis, axis=logits.ndim - 1, tiled=True)
     if cfg.final_logit_softcapping is not None:
         cap = cfg.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models import decode_attention, skinny_gemm
-from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tensor_parallel, rope_inv_freq,
+from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tp_parts, rope_inv_freq,
                                    tp_split_axis, vocab_rows)
 
 # Experts are gathered per token while that reads fewer weights than running every expert densely.
@@ -535,28 +535,6 @@ class DecoderLayer(nn.Module):
         if self.gemma4:
             x = x * self.layer_scalar
         return x
-
-
-def check_tp_parts(cfg: GemmaConfig, parts: int, devices: int) -> None:
-    """Tensor-parallel parts (GemmaModel's `tp_parts`). In bf16 a split changes the arithmetic: a row-parallel
-    linear's halves are rounded before they are added, and a GEMM of half the width may be tiled or split
-    differently by the GEMM library, so 2 devices do not emit the greedy tokens 1 device emits. With
-    `parts` P, every split weight (heads, MLP columns, the LM head's vocabulary) is computed as P GEMMs of a
-    P-way split's shapes on any device count N that divides P, each device running P / N of them, and the
-    row-parallel partial outputs are added in one fixed order (sum_parts). Compiled, the engine keeps every bf16
-    rounding that inductor would drop inside a fused kernel (torch_engine._configure_compile), since kernels end
-    at other places on 1 and N devices. Every N then runs the same kernels on the same operands, and decodes the
-    same tokens. It costs more launches (P / N GEMMs where there was one) and a gather of the partial outputs in
-    place of an all-reduce. One line for what cannot be split so."""
-    from specdec.errors import SpecdecError
-
-    if parts < 1 or parts % devices:
-        raise SpecdecError(f"tensor-parallel parts must be a positive multiple of the {devices} device(s), got {parts}")
-    if cfg.enable_moe_block:
-        raise SpecdecError("tensor-parallel parts do not cover MoE experts (their outputs are summed per device)")
-    if cfg.vocab_size % parts:
-        raise SpecdecError(f"{parts} tensor-parallel parts do not divide the vocabulary of {cfg.vocab_size}")
-    check_tensor_parallel(cfg, parts, f"{parts} tensor-parallel parts do not divide")
 
 
 def group_shard(tp_group) -> tuple[int, int] | None:

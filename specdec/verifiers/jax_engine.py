@@ -21,7 +21,9 @@
   device. `JaxFusedCycle` runs a few `decode_step`s per compiled call for the host loop
   (specdec.generate.run_cycles), as torch's FusedCycle runs one per graph replay.
 - With a `mesh`, weights are split over its "tp" axis by attention head and MLP column (o_proj / down_proj
-  by row, so XLA reduces after them) and the cache by KV head; XLA inserts the collectives.
+  by row, so XLA reduces after them) and the cache by KV head; XLA inserts the collectives. With `tp_parts` P
+  as well, the forward runs in P parts inside shard_map (forward_in_parts): every mesh of a size dividing P
+  computes the same bits.
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import shard_map
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specdec.acceptance.jax_rule import RowSampling, accept_greedy, accept_sampled, keyed_uniform
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, StopCondition, check_context
-from specdec.models.config import GemmaConfig, check_tensor_parallel, decode_width, round_up, tp_split_axis
+from specdec.models.config import (GemmaConfig, check_tensor_parallel, check_tp_parts, decode_width, round_up,
+                                   tp_split_axis)
 from specdec.models.checkpoint import load_checkpoint
-from specdec.models.jax_gemma import (Cache, Params, default_dtype, forward, init_cache, load_params, pack_projections,
-                                      reset_cache, to_device)
+from specdec.models.jax_gemma import (Cache, Params, Parts, default_dtype, forward, init_cache, load_params, pack_parts,
+                                      pack_projections, reset_cache, to_device)
 from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams, seed_words
 
@@ -66,8 +70,8 @@ def check_mesh(cfg: GemmaConfig, mesh: Mesh) -> None:
 
 def param_partition_spec(cfg: GemmaConfig, name: str, tp: int) -> P:
     """The mesh axis on the dimension config.tp_split_axis names (none: replicated; dimensions past the
-    split one are whole)."""
-    axis = tp_split_axis(cfg, name, tp)
+    split one are whole). In parts (`tp` the parts), a packed weight (jax_gemma.pack_parts) splits by row."""
+    axis = 0 if "+" in name else tp_split_axis(cfg, name, tp)
     return P() if axis is None else P(*[None] * axis, TP_AXIS)
 
 
@@ -86,23 +90,49 @@ def _packed(params: Params) -> Params:
 _pack_fn = jax.jit(pack_projections)
 
 
-def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh) -> Params:
-    check_mesh(cfg, mesh)
-    tp = mesh.shape[TP_AXIS]
+def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh, parts: Parts | None = None) -> Params:
+    """Weights split over the mesh; in `parts`, packed in parts (jax_gemma.pack_parts) and split into whole parts."""
+    if parts is None:
+        check_mesh(cfg, mesh)
+    else:
+        params = _pack_parts_fn(params, parts.count)
+    tp = mesh.shape[TP_AXIS] if parts is None else parts.count
     return {
         name: jax.device_put(w, NamedSharding(mesh, param_partition_spec(cfg, name, tp))) for name, w in params.items()
     }
 
 
-def cache_shardings(cache: Cache, mesh: Mesh):
+_pack_parts_fn = jax.jit(pack_parts, static_argnums=1)
+
+
+def cache_specs(cache: Cache):
     """Keys/values [B, n_kv, S, hd] split by KV head; slot positions replicated."""
-    by_head = NamedSharding(mesh, P(None, TP_AXIS, None, None))
-    replicated = NamedSharding(mesh, P())
+    by_head = P(None, TP_AXIS, None, None)
     return {
         "keys": [None if k is None else by_head for k in cache["keys"]],
         "values": [None if v is None else by_head for v in cache["values"]],
-        "slot_pos": {kind: replicated for kind in cache["slot_pos"]},
+        "slot_pos": {kind: P() for kind in cache["slot_pos"]},
     }
+
+
+def cache_shardings(cache: Cache, mesh: Mesh):
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cache), is_leaf=lambda x: isinstance(x, P))
+
+
+def forward_in_parts(cfg: GemmaConfig, mesh: Mesh, parts: Parts, param_names, cache: Cache, **static) -> Callable:
+    """jax_gemma.forward in `parts` as one program over the mesh: (params, tokens, positions, cache) -> forward's
+    (logits, hidden, cache). Each device runs its parts on its blocks of the weights and the cache (shard_map);
+    the collectives are the forward's own (sum_parts' gathers, the lookups' sums, the LM head's gather), so no
+    partitioner chooses where they go or in which order a reduction adds."""
+    param_specs = {name: param_partition_spec(cfg, name, parts.count) for name in param_names}
+    specs = cache_specs(cache)
+
+    def body(params, tokens, positions, cache):
+        return forward(params, cfg, tokens, positions, cache, parts=parts, **static)
+
+    hidden_spec = P() if static.get("hidden_layers") else None
+    return shard_map(body, mesh=mesh, in_specs=(param_specs, P(), P(), specs), out_specs=(P(), hidden_spec, specs),
+                     check_vma=False)
 
 
 # -- the fused decode loop's state ---------------------------------------------------------------------
@@ -176,10 +206,13 @@ class JaxEngine:
         invariant: bool = True,
         lookahead: int = 0,
         allocate_cache: bool = True,
+        tp_parts: int | None = None,
     ):
         """`lookahead`: extra sliding-ring slots for decode forwards chained past the committed length
         (GemmaConfig.cache_slots), for an engine that drafts (specdec.drafters.model). `allocate_cache`
-        False: the caller makes the cache (from_checkpoint's background transfer, beside the weights)."""
+        False: the caller makes the cache (from_checkpoint's background transfer, beside the weights).
+        `tp_parts`: compute every split weight in that many parts over the mesh (one device without one), so that
+        every mesh of a size dividing it computes the same bits (config.check_tp_parts)."""
         for layer in hidden_layers:
             if not 0 <= layer < cfg.num_layers:
                 raise SpecdecError(f"hidden layer {layer} out of range (the model has {cfg.num_layers} layers)")
@@ -192,7 +225,13 @@ class JaxEngine:
         self.hidden_layers = tuple(hidden_layers)
         self.invariant = invariant
         self.buckets = (self.width,) if invariant else tuple(sorted({1, k_max + 1}))
-        self._params = shard_params(params, cfg, mesh) if mesh is not None else _packed(params)
+        self.parts = None
+        if tp_parts is not None:
+            mesh = mesh or make_mesh(1)
+            check_tp_parts(cfg, tp_parts, mesh.shape[TP_AXIS])
+            self.parts = Parts(tp_parts, mesh.shape[TP_AXIS], TP_AXIS)
+        self.mesh = mesh
+        self._params = shard_params(params, cfg, mesh, self.parts) if mesh is not None else _packed(params)
         # What programs are lowered against: the weights' shapes, known before the weights themselves arrive;
         # with a mesh, their shardings too (on one device, a sharding named here would lower another program
         # than the call with the arrays does).
@@ -233,7 +272,7 @@ class JaxEngine:
         its weights and the cache go to the device in a thread, so that programs compile meanwhile (against
         param_shapes and cache_shapes). The thread starts at `start_transfer` or at the first use of `params`
         or `cache`, which wait for it (and raise what it raised)."""
-        pack = kwargs.get("mesh") is None
+        pack = kwargs.get("mesh") is None and kwargs.get("tp_parts") is None
         if not background:
             cfg, params = load_params(path, dtype, pack)
             return cls(cfg, params, **kwargs)
@@ -305,8 +344,13 @@ class JaxEngine:
     def _decode_forward(self, params, cache, tokens, lengths):
         """The decode forward of every verify and loop cycle: commit-first, its logits behind a barrier."""
         positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        logits, hidden, cache = forward(params, self.cfg, tokens, positions, cache, self.hidden_layers,
-                                        commit_first=True)
+        if self.parts is None:
+            logits, hidden, cache = forward(params, self.cfg, tokens, positions, cache, self.hidden_layers,
+                                            commit_first=True)
+        else:
+            run = forward_in_parts(self.cfg, self.mesh, self.parts, params, cache, hidden_layers=self.hidden_layers,
+                                   commit_first=True)
+            logits, hidden, cache = run(params, tokens, positions, cache)
         return jax.lax.optimization_barrier(logits), hidden, self._constrain(cache)
 
     def _reset(self, cache: Cache) -> Cache:

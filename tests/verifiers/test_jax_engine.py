@@ -1,5 +1,5 @@
 """The JAX verifier: the fused decode loop against step-by-step decode, one dispatch per generation, EOS,
-a device-side drafter inside the loop, the Verifier protocol, and tensor parallelism on 4 host devices."""
+a device-side drafter inside the loop, the Verifier protocol, and tensor parallelism on 2 and 4 host devices."""
 
 import hashlib
 import json
@@ -318,3 +318,67 @@ def test_tensor_parallel_on_four_host_devices_matches_one_device():
     # After o_proj and down_proj of each layer, and the embedding lookup's; nothing gathers a table.
     assert result["collectives"] == {"all-reduce": 2 * 4 + 1, "all-gather": 0}
     assert result["error"] == "a tensor-parallel mesh of 4 devices does not divide 2 KV heads of layer 0 (+2 more)"
+
+
+PARTS_SCRIPT = textwrap.dedent(
+    """
+    import hashlib, json, sys
+    import numpy as np
+    import jax, jax.numpy as jnp
+    from specdec.drafters.model import ModelDrafter, drafter_engine
+    from specdec.generate import StopCondition, run_cycles
+    from specdec.models.config import GemmaConfig
+    from specdec.models.jax_gemma import random_params
+    from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle, make_mesh
+
+    k_eq_v = GemmaConfig.from_dict(dict(
+        model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=4, layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=30.0,
+        tie_word_embeddings=False))
+    models = {"k_eq_v": lambda dtype, **kw: JaxEngine(k_eq_v, random_params(k_eq_v, jax.random.key(0), dtype), **kw)}
+    for path in sys.argv[1:]:
+        models[path] = lambda dtype, path=path, **kw: JaxEngine.from_checkpoint(path, dtype=dtype, **kw)
+    prompt = [2] + list(range(5, 21)) * 3
+    result = {}
+    for dtype in ("bfloat16", "float32"):
+        for model, make in models.items():
+            for split, kw in [("one", {}), ("two", dict(mesh=make_mesh(2))), ("parts on one", dict(tp_parts=2)),
+                              ("parts on two", dict(mesh=make_mesh(2), tp_parts=2))]:
+                engine = make(dtype, max_seq_len=256, k_max=4, **kw)
+                tokens = engine.generate(prompt, 16)
+                pending = engine.prefill([prompt])
+                logits = engine.verify(jnp.asarray([[int(pending[0]), 7, 8, 9, 10]], jnp.int32)).logits
+                digest = hashlib.sha256(np.asarray(logits, np.float32).tobytes()).hexdigest()[:16]
+                result[f"{dtype} {model}: {split}"] = dict(tokens=tokens, digest=digest)
+        if dtype == "bfloat16":  # the last engine, in parts on two devices, drafting for itself in the fused cycle
+            drafter = ModelDrafter(drafter_engine(engine, engine), engine, 4)
+            run = run_cycles(JaxFusedCycle(engine, drafter.device_draft_fn("jax", 4), 4), [prompt], 4,
+                             StopCondition(16))
+            result["drafting for itself"] = dict(tokens=run.tokens[0], acceptance=run.stats.acceptance_rate)
+    print(json.dumps(result))
+    """
+)
+
+
+def test_parts_on_two_host_devices_compute_one_devices_bits(random_checkpoints):
+    """Split over 2 devices by XLA's partitioner, a model computes other logits than on one device; in 2
+    tensor-parallel parts, the same to the bit, and decodes the same tokens, in bf16 and float32. A Gemma 4 model
+    with k_eq_v globals, the E-style model (per-layer inputs, KV-shared layers) and Gemma 3."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    paths = [str(random_checkpoints[v]) for v in ("gemma3", "gemma4_e")]
+    proc = subprocess.run([sys.executable, "-c", PARTS_SCRIPT, *paths], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bfloat16 k_eq_v: one"]["digest"] != result["bfloat16 k_eq_v: two"]["digest"]
+    assert result["bfloat16 k_eq_v: one"]["tokens"] != result["bfloat16 k_eq_v: two"]["tokens"]
+    for dtype in ("bfloat16", "float32"):
+        assert result[f"{dtype} k_eq_v: one"]["digest"] != result[f"{dtype} k_eq_v: two"]["digest"]
+        for model in ["k_eq_v", *paths]:
+            one, two = result[f"{dtype} {model}: parts on one"], result[f"{dtype} {model}: parts on two"]
+            assert two == one, (dtype, model)
+    assert len(set(result["bfloat16 k_eq_v: parts on one"]["tokens"])) > 10  # a model that does not repeat a token
+    assert result["drafting for itself"] == dict(tokens=result[f"bfloat16 {paths[-1]}: parts on two"]["tokens"],
+                                                 acceptance=1.0)

@@ -264,7 +264,7 @@ def test_parts_make_two_devices_compute_one_devices_bits_in_bf16(random_checkpoi
 
 
 def test_parts_that_cannot_be_computed_so_are_refused(random_checkpoints, moe_checkpoint):
-    from specdec.models.torch_gemma import check_tp_parts
+    from specdec.models.config import check_tp_parts
 
     dense = GemmaConfig.from_file(random_checkpoints["gemma4_dense"] / "config.json")
     with pytest.raises(SpecdecError, match=r"^tensor-parallel parts must be a positive multiple of the 2 device\(s\), got 3$"):
@@ -275,19 +275,37 @@ def test_parts_that_cannot_be_computed_so_are_refused(random_checkpoints, moe_ch
         check_tp_parts(GemmaConfig.from_file(moe_checkpoint / "config.json"), 2, 1)
 
 
-def test_cli_parts_under_torchrun_print_what_one_process_prints(k_eq_v_checkpoint, tmp_path):
-    """bf16 on the CPU, the Gemma 4 dense model (k_eq_v globals) given the real tokenizer's vocabulary."""
+@pytest.fixture(scope="module")
+def dense_with_tokenizer(k_eq_v_checkpoint, tmp_path_factory):
+    """The Gemma 4 dense model (k_eq_v globals) given the real tokenizer's vocabulary."""
     from tests.checkpoints import with_real_tokenizer
 
-    ckpt = with_real_tokenizer(k_eq_v_checkpoint, tmp_path / "dense")
-    one = generate(ckpt, tmp_path, "--tp-parts", "2", "--dtype", "bfloat16")
+    return with_real_tokenizer(k_eq_v_checkpoint, tmp_path_factory.mktemp("tp") / "dense_with_tokenizer")
+
+
+def test_cli_parts_under_torchrun_print_what_one_process_prints(dense_with_tokenizer, tmp_path):
+    """bf16 on the CPU."""
+    one = generate(dense_with_tokenizer, tmp_path, "--tp-parts", "2", "--dtype", "bfloat16")
     torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()))
-    two = generate(ckpt, tmp_path, "--tensor-parallel", "2", "--tp-parts", "2", "--dtype", "bfloat16", launcher=torchrun)
+    two = generate(dense_with_tokenizer, tmp_path, "--tensor-parallel", "2", "--tp-parts", "2", "--dtype", "bfloat16",
+                   launcher=torchrun)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     assert two.stdout == one.stdout and one.stdout.startswith("def add(a, b):")
-    jax = generate(ckpt, tmp_path, "--tp-parts", "2", "--engine", "jax")
-    assert jax.returncode != 0 and jax.stderr.strip().splitlines()[-1].endswith(
-        "tensor-parallel parts (--tp-parts) are a torch engine option")
+
+
+def test_cli_jax_parts_on_two_devices_print_what_one_device_prints(dense_with_tokenizer, tmp_path):
+    """bf16 on the CPU, two host devices in one process; speculative (n-gram) in the fused cycle, JAX's default."""
+    devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    jax = ("--engine", "jax", "--tp-parts", "2", "--dtype", "bfloat16")
+    one = generate(dense_with_tokenizer, tmp_path, *jax, env=devices)
+    two = generate(dense_with_tokenizer, tmp_path, *jax, "--tensor-parallel", "2", env=devices)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and one.stdout.startswith("def add(a, b):")
+    refused = generate(dense_with_tokenizer, tmp_path, "--engine", "jax", "--tp-parts", "3", "--tensor-parallel", "2",
+                       env=devices)
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines()[-1].endswith(
+        "tensor-parallel parts must be a positive multiple of the 2 device(s), got 3")
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
