@@ -21,8 +21,8 @@ _WORD = 0xFFFFFFFF
 class RowSampling:
     """Per-row settings of a batch whose rows sample differently (a server's requests), as tensors [B]:
     temperature (0: a greedy row), top_k (0: off), top_p_rest (SamplingParams.top_p_rest; 0: off), min_p (0: off).
-    `filters` (static) names
-    the filters any row uses, so the others cost nothing; a row with a filter off is left as it is."""
+    `filters` (static) names the filters any row uses, so the others cost nothing; a row with a filter off is left
+    as it is."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor

@@ -372,7 +372,6 @@ def test_parts_on_two_host_devices_compute_one_devices_bits(random_checkpoints):
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["bfloat16 k_eq_v: one"]["digest"] != result["bfloat16 k_eq_v: two"]["digest"]
     assert result["bfloat16 k_eq_v: one"]["tokens"] != result["bfloat16 k_eq_v: two"]["tokens"]
     for dtype in ("bfloat16", "float32"):
         assert result[f"{dtype} k_eq_v: one"]["digest"] != result[f"{dtype} k_eq_v: two"]["digest"]
