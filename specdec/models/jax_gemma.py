@@ -268,11 +268,19 @@ def _project(params: Params, prefix: str, names, x, sizes=None, parts: Parts | N
         rows = block.shape[0] // parts.local
         packed = block[part * rows : (part + 1) * rows]
         sizes = None if sizes is None else [size // parts.count for size in sizes]
+        x = _own_input(x, part)
     else:
         packed = params.get(packed_name(prefix, names))
         if packed is None:
             return [_linear(x, params[f"{prefix}{name}.weight"]) for name in names]
     return jnp.split(_linear(x, packed), len(names) if sizes is None else np.cumsum(sizes)[:-1], axis=-1)
+
+
+def _own_input(x, part: int):
+    """x as an input of part `part`'s GEMM alone. XLA's DotMerger (in its GPU pipeline) merges GEMMs that share an
+    operand into one wider GEMM, which one device holding several parts would then run where a device holding one
+    part runs its own; behind a barrier of its own, each part's GEMM keeps its operand."""
+    return jax.lax.optimization_barrier((x, jnp.int32(part)))[0]
 
 
 def _row_parallel(params: Params, name: str, inputs: list, parts: Parts | None):
@@ -571,7 +579,8 @@ def final_logits(params: Params, cfg: GemmaConfig, hidden, vocab_ids=None, parts
     if parts is None:
         logits = _linear(x, head).astype(jnp.float32)
     else:
-        logits = jnp.concatenate([_linear(x, rows) for rows in jnp.split(head, parts.local)], axis=-1)
+        per_part = jnp.split(head, parts.local)
+        logits = jnp.concatenate([_linear(_own_input(x, part), rows) for part, rows in enumerate(per_part)], axis=-1)
         logits = jax.lax.all_gather(logits.astype(jnp.float32), parts.axis, axis=logits.ndim - 1, tiled=True)
     if cfg.final_logit_softcapping is not None:
         cap = cfg.final_logit_softcapping
