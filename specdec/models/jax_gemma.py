@@ -73,19 +73,23 @@ def packed_name(prefix: str, names) -> str:
     return f"{prefix}{'+'.join(names)}.weight"
 
 
-def pack_projections(params: Params) -> Params:
+def pack_projections(params: Params, parts: int = 1) -> Params:
     """Each layer's q/k/v (those it has) and gate/up weights as one [sum of out, in] weight under
     `packed_name`, as torch_gemma's Packed: at decode a GEMM of 16 rows costs a launch and, in XLA, a split of
     its reduction with a kernel that sums the parts, however small it is. The forward reads either form.
-    Single-device weights only: a tensor-parallel shard would need its own slices packed."""
+    In tensor-parallel `parts` (Parts), part 0's rows of every linear come first, then part 1's, ... ([parts * rows
+    of a part, in]), so that a split by rows over any device count dividing `parts` leaves each device whole parts,
+    each the matrix a device holding that part alone would pack; a single linear (a KV-shared layer's q_proj) is
+    already in that order."""
     params = dict(params)
     layers = {_layer_prefix(name) for name in params} - {""}
     for layer in sorted(layers):
         for block, names in PACKS.items():
             members = [m for m in names if f"{layer}{block}{m}.weight" in params]
             if len(members) > 1:
+                chunks = [jnp.split(params.pop(f"{layer}{block}{m}.weight"), parts) for m in members]
                 params[packed_name(layer + block, members)] = jnp.concatenate(
-                    [params.pop(f"{layer}{block}{m}.weight") for m in members])
+                    [chunk[part] for part in range(parts) for chunk in chunks])
     return params
 
 
@@ -94,7 +98,7 @@ class Parts:
     """Tensor-parallel parts (config.check_tp_parts): every split weight computed as `count` GEMMs of a `count`-way
     split's shapes, `count / devices` of them on each device of mesh axis `axis`, and row-parallel partial outputs
     added in one order (sum_parts). A forward in parts runs inside shard_map (jax_engine.forward_in_parts) on each
-    device's blocks of the weights laid out by pack_parts, and of the cache split by KV head."""
+    device's blocks of the weights packed in parts (pack_projections), and of the cache split by KV head."""
 
     count: int
     devices: int
@@ -108,23 +112,6 @@ class Parts:
     def splits_table(self, cfg: GemmaConfig, name: str) -> bool:
         """Whether token table `name` is split by vocabulary (when the parts divide it; else it is whole)."""
         return vocab_rows(cfg, name) % self.count == 0
-
-
-def pack_parts(params: Params, count: int) -> Params:
-    """pack_projections in `count` parts: each packed weight holds part 0's rows of every linear, then part 1's, ...
-    ([count * rows of a part, in]), so that a split by rows over any device count dividing `count` leaves each device
-    whole parts, each the matrix a device holding that part alone would pack. A single linear (a KV-shared layer's
-    q_proj) is already in that order."""
-    params = dict(params)
-    layers = {_layer_prefix(name) for name in params} - {""}
-    for layer in sorted(layers):
-        for block, names in PACKS.items():
-            members = [m for m in names if f"{layer}{block}{m}.weight" in params]
-            if len(members) > 1:
-                chunks = [jnp.split(params.pop(f"{layer}{block}{m}.weight"), count) for m in members]
-                params[packed_name(layer + block, members)] = jnp.concatenate(
-                    [chunk[part] for part in range(count) for chunk in chunks])
-    return params
 
 
 def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16, pack: bool = False) -> Params:
@@ -262,7 +249,7 @@ def _keys_from_stored(stored, k_norm_weight, cos, sin):
 def _project(params: Params, prefix: str, names, x, sizes=None, parts: Parts | None = None, part: int = 0) -> list:
     """x through the linears `prefix + name` in order, each giving `sizes[i]` features (None: as many each):
     one GEMM over their packed weight (pack_projections) when the params hold it. In `parts`: part `part` of this
-    device's block (pack_parts), whose linears give sizes / parts.count features."""
+    device's block (packed in parts), whose linears give sizes / parts.count features."""
     if parts is not None:
         block = params[packed_name(prefix, names) if len(names) > 1 else f"{prefix}{names[0]}.weight"]
         rows = block.shape[0] // parts.local

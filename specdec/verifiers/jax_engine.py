@@ -46,7 +46,7 @@ from specdec.generate import CycleResult, StopCondition, check_context
 from specdec.models.config import (GemmaConfig, check_tensor_parallel, check_tp_parts, decode_width, round_up,
                                    tp_split_axis)
 from specdec.models.checkpoint import load_checkpoint
-from specdec.models.jax_gemma import (Cache, Params, Parts, default_dtype, forward, init_cache, load_params, pack_parts,
+from specdec.models.jax_gemma import (Cache, Params, Parts, default_dtype, forward, init_cache, load_params,
                                       pack_projections, reset_cache, to_device)
 from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams, seed_words
@@ -70,7 +70,7 @@ def check_mesh(cfg: GemmaConfig, mesh: Mesh) -> None:
 
 def param_partition_spec(cfg: GemmaConfig, name: str, tp: int) -> P:
     """The mesh axis on the dimension config.tp_split_axis names (none: replicated; dimensions past the
-    split one are whole). In parts (`tp` the parts), a packed weight (jax_gemma.pack_parts) splits by row."""
+    split one are whole). In parts (`tp` the parts), a packed weight (jax_gemma.pack_projections) splits by row."""
     axis = 0 if "+" in name else tp_split_axis(cfg, name, tp)
     return P() if axis is None else P(*[None] * axis, TP_AXIS)
 
@@ -91,7 +91,7 @@ _pack_fn = jax.jit(pack_projections)
 
 
 def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh, parts: Parts | None = None) -> Params:
-    """Weights split over the mesh; in `parts`, packed in parts (jax_gemma.pack_parts) and split into whole parts."""
+    """Weights split over the mesh; in `parts`, packed in parts (jax_gemma.pack_projections) and split into whole parts."""
     if parts is None:
         check_mesh(cfg, mesh)
     else:
@@ -102,7 +102,7 @@ def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh, parts: Parts | No
     }
 
 
-_pack_parts_fn = jax.jit(pack_parts, static_argnums=1)
+_pack_parts_fn = jax.jit(pack_projections, static_argnums=1)
 
 
 def cache_specs(cache: Cache):
