@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specdec.verifiers.torch_engine import capture_graph
+
 dev = "cuda"
 torch.manual_seed(0)
 
@@ -54,13 +56,7 @@ def prefetch(w: torch.Tensor, nbytes: int, kind: str):
 
 
 def timed(fn, reps=50):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(); fn()
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        fn()
+    g, _ = capture_graph(fn, warmups=2)
     g.replay(); torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = []

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from specdec.models import skinny_gemm
 from specdec.models.torch_gemma import split_products
+from specdec.verifiers.torch_engine import capture_graph
 
 ROWS = 16
 SHAPES = {  # output columns, reduction
@@ -31,17 +32,9 @@ SHAPES = {  # output columns, reduction
 
 
 def graph_us(calls, count: int, reps: int) -> float:
-    """us per call of `calls` (a function that makes `count` calls), captured `reps` times in one CUDA graph after a
-    warm-up run on a side stream: the best of 5 replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            calls()
+    """us per call of `calls` (a function that makes `count` calls), captured `reps` times in one CUDA graph after
+    warm-up runs: the best of 5 replays."""
+    graph, _ = capture_graph(lambda: [calls() for _ in range(reps)])
     for _ in range(3):
         graph.replay()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

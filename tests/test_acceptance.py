@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 from specdec.acceptance import jax_rule, torch_rule  # noqa: E402
+from specdec.verifiers.torch_engine import capture_graph  # noqa: E402
 
 
 class TorchRules:
@@ -424,14 +425,7 @@ def test_torch_rules_replay_in_a_cuda_graph():
         sampled = torch_rule.accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, uniform)
         return greedy, sampled
 
-    side_stream = torch.cuda.Stream()  # warm up off the capture stream, as capture requires
-    side_stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side_stream):
-        run_rules()
-    torch.cuda.current_stream().wait_stream(side_stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        greedy_out, sampled_out = run_rules()
+    graph, (greedy_out, sampled_out) = capture_graph(run_rules)
 
     for seed in range(3):
         for buffer, new in zip(static, fresh_inputs()):

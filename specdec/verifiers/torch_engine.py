@@ -175,6 +175,25 @@ def accept_and_emit(buffer, context_len, limit, lengths, draft, draft_len, logit
     return emit(buffer, context_len, limit, lengths, draft, draft_len, num_accepted, next_token)
 
 
+def capture_graph(run, warmups: int = 1, after_each=lambda: None, pool=None, generators=()):
+    """Warm `run()` up `warmups` times on a side stream, as capture requires (calling `after_each()` after each
+    warm-up), then capture one call of it -> (graph, the outputs that each replay refills). `generators` are
+    registered with the graph, so each replay draws fresh numbers from them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            run()
+            after_each()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    for generator in generators:
+        graph.register_generator_state(generator)
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+    return graph, outputs
+
+
 @functools.cache
 def compiled(fn):
     """`fn` (a function of tensors: drafting, acceptance, a cycle's bookkeeping, which updates its buffers in place)
@@ -346,15 +365,8 @@ class TorchEngine:
         capture write dummy tokens at positions lengths .. lengths+T-1: exactly what rejected drafts do,
         so the next verify (which starts at lengths) never sees them."""
         static_tokens = torch.full((self.batch, T), self.cfg.pad_token_id, dtype=torch.long, device=self.device)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(static_tokens)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph):
-            out = self._forward(static_tokens)
+        with torch.inference_mode():
+            graph, out = capture_graph(lambda: self._forward(static_tokens), warmups=2)
         self._graphs[T] = (graph, static_tokens, out)
 
     # -- plain decode: the baseline every speculative run is compared with ----------------------------
@@ -551,19 +563,10 @@ class FusedCycle:
             for g, rng in zip(generators, saved_rng):
                 g.set_state(rng)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for _ in range(2):
-                self._cycle(rule)
-                restore()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        for g in generators:
-            graph.register_generator_state(g)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._cycle(rule)
+        with torch.inference_mode():
+            graph, outputs = capture_graph(lambda: self._cycle(rule), warmups=2, after_each=restore, pool=self._pool,
+                                           generators=generators)
         restore()
         self._graphs[rule] = (graph, outputs)
 

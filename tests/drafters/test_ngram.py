@@ -14,6 +14,8 @@ from tests import oracle
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
+from specdec.verifiers.torch_engine import capture_graph  # noqa: E402
+
 
 def propose_torch(sequences, k, min_ngram, max_ngram, buffer_len):
     tokens, lengths = padded_buffer(sequences, buffer_len)
@@ -118,14 +120,7 @@ def test_torch_version_replays_in_a_cuda_graph():
 
     tokens, lengths = (torch.from_numpy(x).cuda() for x in padded_buffer(fresh_sequences(),
                                                                             buffer_len))
-    side_stream = torch.cuda.Stream()  # warm up off the capture stream, as capture requires
-    side_stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side_stream):
-        ngram_propose_torch(tokens, lengths, k, min_ngram, max_ngram)
-    torch.cuda.current_stream().wait_stream(side_stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        draft, draft_len = ngram_propose_torch(tokens, lengths, k, min_ngram, max_ngram)
+    graph, (draft, draft_len) = capture_graph(lambda: ngram_propose_torch(tokens, lengths, k, min_ngram, max_ngram))
 
     for _ in range(3):
         sequences = fresh_sequences()

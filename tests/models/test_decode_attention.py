@@ -98,7 +98,7 @@ def test_compiled_attention_in_a_graph_reads_each_replays_query_and_slot():
     it waits for them in-kernel); replayed from a CUDA graph on new inputs, it gives the compiled function's bits."""
     from torch._inductor.utils import run_and_get_code
 
-    from specdec.verifiers.torch_engine import _configure_compile
+    from specdec.verifiers.torch_engine import _configure_compile, capture_graph
 
     _configure_compile()
     _, keys, values, stored, lowest, highest, groups = case("270m sliding")
@@ -114,14 +114,7 @@ def test_compiled_attention_in_a_graph_reads_each_replays_query_and_slot():
     _, code = run_and_get_code(compiled, first, key, keys, values)
     assert "specdec.decode_attention" in "".join(code) and "extern_kernels.bmm" not in "".join(code)
     static_x, static_key = first.clone(), key.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        compiled(static_x, static_key, keys, values)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = compiled(static_x, static_key, keys, values)
+    graph, out = capture_graph(lambda: compiled(static_x, static_key, keys, values))
     for seed in range(42, 47):
         x, key = bf16(1, 1, 64, 256, seed=seed), bf16(1, 1, 256, seed=seed + 100)
         static_x.copy_(x)

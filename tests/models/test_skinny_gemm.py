@@ -85,7 +85,7 @@ def test_compiled_linear_uses_the_kernel_and_a_graph_replay_reads_new_inputs():
     products), captured in a CUDA graph: each replay on new inputs gives the compiled function's own bits."""
     from torch._inductor.utils import run_and_get_code
 
-    from specdec.verifiers.torch_engine import _configure_compile
+    from specdec.verifiers.torch_engine import _configure_compile, capture_graph
 
     _configure_compile()
     blocks = [(bf16(4096, 640, seed=10 + i) * 0.05, bf16(640, 2048, seed=20 + i) * 0.03) for i in range(4)]
@@ -102,14 +102,7 @@ def test_compiled_linear_uses_the_kernel_and_a_graph_replay_reads_new_inputs():
     _, code = run_and_get_code(compiled, first, blocks)
     assert "specdec.split_products" in "".join(code) and "extern_kernels.bmm" not in "".join(code)
     static = first.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        compiled(static, blocks)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = compiled(static, blocks)
+    graph, out = capture_graph(lambda: compiled(static, blocks))
     for seed in range(31, 36):
         h = bf16(1, 16, 640, seed=seed)
         static.copy_(h)
