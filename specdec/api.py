@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 from specdec.errors import SpecdecError
 from specdec.generate import Generation, HostCycle, StopCondition, run_cycles
-from specdec.models.config import GemmaConfig
+from specdec.models.config import GemmaConfig, with_parts_xla_flags
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
 
@@ -147,6 +147,8 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
         # XLA reserves 75% of a GPU's memory when it first starts: 1-2 s of every command on an H200
         # (docs/benchmarks.md, issue 8). Allocate on demand instead, unless the user has chosen.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        if tp_parts is not None:  # read when JAX starts, before the first device is used below
+            os.environ["XLA_FLAGS"] = with_parts_xla_flags(os.environ.get("XLA_FLAGS", ""))
         compile_cache.enable_jax()
         mesh = None
         if tensor_parallel > 1:

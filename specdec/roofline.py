@@ -321,6 +321,10 @@ def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dic
         launcher += ["torch.distributed.run", "--nproc-per-node", str(tp), "-m"]
     elif engine == "jax" and tp > 1 and args.tiny:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={tp}".strip()
+    if engine == "jax" and args.tp_parts:
+        from specdec.models.config import with_parts_xla_flags
+
+        env["XLA_FLAGS"] = with_parts_xla_flags(env.get("XLA_FLAGS", ""))
     command = launcher + ["specdec.roofline", "--child", f"{engine}:{name}:{tp}", "--steps", str(args.steps),
                           "--tokens", str(args.tokens)]
     command += ["--tiny"] * args.tiny + ["--no-torch-compile"] * (not args.torch_compile)

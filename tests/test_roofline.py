@@ -67,3 +67,19 @@ def test_rows_in_parts_compare_bits_across_device_counts(tmp_path):
     assert sorted(line[1] for line in lines) == ["jax", "torch"]
     for line in lines:
         assert line[3] == "2" and line[-3:-1] == ["yes", "yes"]  # parts; tokens and bits as one device's
+
+
+def test_jax_rows_in_parts_start_with_the_parts_xla_flag():
+    """XLA reads its flags when JAX starts: a JAX row in parts gets the one its GPUs need in its environment."""
+    from types import SimpleNamespace
+
+    from specdec.models.config import PARTS_GPU_XLA_FLAGS
+    from specdec.roofline import child_command
+
+    args = SimpleNamespace(steps=2, tokens=4, tiny=True, torch_compile=True, verify_widths=None, config_270m=None,
+                           tp_parts=2, layers=None)
+    _, env = child_command("jax", "31b", 2, args)
+    assert env["XLA_FLAGS"].split()[-3:] == ["--xla_force_host_platform_device_count=2", *PARTS_GPU_XLA_FLAGS]
+    without_parts = SimpleNamespace(**{**vars(args), "tp_parts": None})
+    for others in (child_command("torch", "31b", 1, args), child_command("jax", "31b", 1, without_parts)):
+        assert not set(PARTS_GPU_XLA_FLAGS) & set(others[1].get("XLA_FLAGS", "").split())

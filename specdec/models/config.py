@@ -114,6 +114,20 @@ def check_tp_parts(cfg: "GemmaConfig", parts: int, devices: int) -> None:
     check_tensor_parallel(cfg, parts, f"{parts} tensor-parallel parts do not divide")
 
 
+# JAX on GPUs: XLA times candidate algorithms for each GEMM of a program and keeps the fastest, and picked another
+# for a part's product on 1 H200 than on 2: other logits. With no timing (autotune level 0) it picks by shape, and 1
+# and 2 H200s computed the same bits, but its untimed Triton GEMMs made the 2-GPU step 3.7x slower; with cuBLAS for
+# every GEMM as well, 1 and 2 H200s computed the same bits at 1.05x the step without parts (docs/benchmarks.md,
+# issue 11). XLA reads them when JAX starts.
+PARTS_GPU_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false")
+
+
+def with_parts_xla_flags(xla_flags: str) -> str:
+    """XLA_FLAGS with PARTS_GPU_XLA_FLAGS, which JAX in tensor-parallel parts needs on GPUs, each once."""
+    given = xla_flags.split()
+    return " ".join(given + [flag for flag in PARTS_GPU_XLA_FLAGS if flag not in given])
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple
@@ -43,8 +44,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specdec.acceptance.jax_rule import RowSampling, accept_greedy, accept_sampled, keyed_uniform
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, StopCondition, check_context
-from specdec.models.config import (GemmaConfig, check_tensor_parallel, check_tp_parts, decode_width, round_up,
-                                   tp_split_axis)
+from specdec.models.config import (PARTS_GPU_XLA_FLAGS, GemmaConfig, check_tensor_parallel, check_tp_parts,
+                                   decode_width, round_up, tp_split_axis)
 from specdec.models.checkpoint import load_checkpoint
 from specdec.models.jax_gemma import (Cache, Params, Parts, default_dtype, forward, init_cache, load_params,
                                       pack_projections, reset_cache, to_device)
@@ -231,6 +232,11 @@ class JaxEngine:
             check_tp_parts(cfg, tp_parts, mesh.shape[TP_AXIS])
             self.parts = Parts(tp_parts, mesh.shape[TP_AXIS], TP_AXIS)
         self.mesh = mesh
+        missing = set(PARTS_GPU_XLA_FLAGS) - set(os.environ.get("XLA_FLAGS", "").split())
+        if self.parts is not None and jax.default_backend() == "gpu" and missing:
+            raise SpecdecError(f"tensor-parallel parts on GPUs compute the same bits on every device count only with "
+                               f"XLA_FLAGS='{' '.join(PARTS_GPU_XLA_FLAGS)}' set before JAX starts (specdec's "
+                               "commands set them)")
         self._params = shard_params(params, cfg, mesh, self.parts) if mesh is not None else _packed(params)
         # What programs are lowered against: the weights' shapes, known before the weights themselves arrive;
         # with a mesh, their shardings too (on one device, a sharding named here would lower another program

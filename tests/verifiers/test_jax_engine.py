@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from specdec.errors import SpecdecError
+from specdec.models.config import PARTS_GPU_XLA_FLAGS, with_parts_xla_flags
 from specdec.protocol import Verifier
 from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
 
@@ -320,6 +321,13 @@ def test_tensor_parallel_on_four_host_devices_matches_one_device():
     assert result["error"] == "a tensor-parallel mesh of 4 devices does not divide 2 KV heads of layer 0 (+2 more)"
 
 
+def test_parts_xla_flag_is_added_once_beside_the_users_flags():
+    assert with_parts_xla_flags("").split() == list(PARTS_GPU_XLA_FLAGS)
+    flags = with_parts_xla_flags(f"--xla_force_host_platform_device_count=2 {PARTS_GPU_XLA_FLAGS[1]}")
+    assert flags.split() == ["--xla_force_host_platform_device_count=2", PARTS_GPU_XLA_FLAGS[1], PARTS_GPU_XLA_FLAGS[0]]
+    assert with_parts_xla_flags(flags) == flags
+
+
 PARTS_SCRIPT = textwrap.dedent(
     """
     import hashlib, json, sys
@@ -362,19 +370,30 @@ PARTS_SCRIPT = textwrap.dedent(
 )
 
 
-def test_parts_on_two_host_devices_compute_one_devices_bits(random_checkpoints):
-    """Split over 2 devices by XLA's partitioner, a model computes other logits than on one device; in 2
-    tensor-parallel parts, the same to the bit, and decodes the same tokens, in bf16 and float32. A Gemma 4 model
-    with k_eq_v globals, the E-style model (per-layer inputs, KV-shared layers) and Gemma 3."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_parts_on_two_devices_compute_one_devices_bits(random_checkpoints, platform):
+    """Split over 2 devices by XLA's partitioner, a model computes other logits than on one device (on 2 host
+    devices); in 2 tensor-parallel parts, the same to the bit, and decodes the same tokens, in bf16 and float32, on
+    2 host devices and on 2 GPUs. A Gemma 4 model with k_eq_v globals, the E-style model (per-layer inputs,
+    KV-shared layers) and Gemma 3."""
+    if platform == "cpu":
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    else:
+        torch = pytest.importorskip("torch")  # counts GPUs without JAX taking their memory in this process
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs 2 GPUs")
+        env = dict(os.environ, JAX_PLATFORMS="cuda", CUDA_VISIBLE_DEVICES="0,1", XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                   XLA_FLAGS=with_parts_xla_flags(os.environ.get("XLA_FLAGS", "")))
     paths = [str(random_checkpoints[v]) for v in ("gemma3", "gemma4_e")]
     proc = subprocess.run([sys.executable, "-c", PARTS_SCRIPT, *paths], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["bfloat16 k_eq_v: one"]["tokens"] != result["bfloat16 k_eq_v: two"]["tokens"]
+    if platform == "cpu":
+        assert result["bfloat16 k_eq_v: one"]["tokens"] != result["bfloat16 k_eq_v: two"]["tokens"]
     for dtype in ("bfloat16", "float32"):
-        assert result[f"{dtype} k_eq_v: one"]["digest"] != result[f"{dtype} k_eq_v: two"]["digest"]
+        if platform == "cpu":
+            assert result[f"{dtype} k_eq_v: one"]["digest"] != result[f"{dtype} k_eq_v: two"]["digest"]
         for model in ["k_eq_v", *paths]:
             one, two = result[f"{dtype} {model}: parts on one"], result[f"{dtype} {model}: parts on two"]
             assert two == one, (dtype, model)
