@@ -88,7 +88,7 @@ def _packed(params: Params) -> Params:
     return _pack_fn(params)
 
 
-_pack_fn = jax.jit(pack_projections)
+_pack_fn = jax.jit(pack_projections, static_argnums=1)  # (params, parts)
 
 
 def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh, parts: Parts | None = None) -> Params:
@@ -96,14 +96,12 @@ def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh, parts: Parts | No
     if parts is None:
         check_mesh(cfg, mesh)
     else:
-        params = _pack_parts_fn(params, parts.count)
+        params = _pack_fn(params, parts.count)
     tp = mesh.shape[TP_AXIS] if parts is None else parts.count
     return {
         name: jax.device_put(w, NamedSharding(mesh, param_partition_spec(cfg, name, tp))) for name, w in params.items()
     }
 
-
-_pack_parts_fn = jax.jit(pack_projections, static_argnums=1)
 
 
 def cache_specs(cache: Cache):
@@ -232,8 +230,8 @@ class JaxEngine:
             check_tp_parts(cfg, tp_parts, mesh.shape[TP_AXIS])
             self.parts = Parts(tp_parts, mesh.shape[TP_AXIS], TP_AXIS)
         self.mesh = mesh
-        missing = set(PARTS_GPU_XLA_FLAGS) - set(os.environ.get("XLA_FLAGS", "").split())
-        if self.parts is not None and jax.default_backend() == "gpu" and missing:
+        if self.parts is not None and jax.default_backend() == "gpu" and (
+                not set(PARTS_GPU_XLA_FLAGS) <= set(os.environ.get("XLA_FLAGS", "").split())):
             raise SpecdecError(f"tensor-parallel parts on GPUs compute the same bits on every device count only with "
                                f"XLA_FLAGS='{' '.join(PARTS_GPU_XLA_FLAGS)}' set before JAX starts (specdec's "
                                "commands set them)")
