@@ -4,7 +4,7 @@ warps) of each shape; the combine kernel's blocks after plan()'s kernel; then th
 blocks (kernel and combine, compiled) against the products and softmax it replaces (compiled), each after the same
 compiled elementwise kernel, in CUDA graphs. Prints the best blocks per shape and ours; us per layer.
 
-    python scripts/tune_decode_attention.py docs/results/decode-attention-tune-h200.json
+    python scripts/tune_decode_attention.py docs/results/decode-attention-tune-h200.json ["31b sliding (1088)" ...]
 """
 
 import itertools
@@ -25,14 +25,18 @@ from tune_skinny_gemm import rows_kernel  # noqa: E402
 SHAPES = {  # KV heads, query heads per KV head, slots, head_dim, sliding window (0: none); 16-token forwards
     "270m sliding": (1, 4, 576, 256, 512), "270m full (1024)": (1, 4, 1024, 256, 0),
     "e4b sliding": (2, 4, 576, 256, 512),
+    # Past MAX_SLOTS, where each split loops over blocks: the 31B's sliding ring, the 270M's full layers at 2,048.
+    "31b sliding (1088)": (16, 2, 1088, 256, 1024), "270m full (2048)": (1, 4, 2048, 256, 0),
 }
 TOKENS, LAYERS = 16, 18
 
 
 def inputs(nkv: int, groups: int, slots: int, head_dim: int, window: int):
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, keys, values = (torch.randn(1, nkv, n, head_dim, device="cuda", generator=g).to(torch.bfloat16)
-                       for n in (TOKENS * groups, slots, slots))
+    q = torch.randn(1, nkv, TOKENS * groups, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    # A cache per layer, as a forward reads them: the 31B's 18 layers' (320 MB) are not in L2 when read.
+    keys, values = ([torch.randn(1, nkv, slots, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+                     for _ in range(LAYERS)] for _ in range(2))
     stored = torch.arange(slots, device="cuda")[None]
     highest = torch.arange(slots - TOKENS, slots, device="cuda")[None]
     lowest = (highest - window + 1).clamp(min=0) if window else torch.zeros_like(highest)
@@ -60,9 +64,10 @@ def chain_us(config: dict, q, keys, values, stored, lowest, highest, groups: int
     block = triton.next_power_of_2(q.shape[-1])
 
     def chain():
-        for _ in range(LAYERS):
+        for layer in range(LAYERS):
             rows_kernel[(rows.shape[0],)](src, q, q.shape[-1], BLOCK=block, launch_pdl=True)
-            decode_attention.launch(q, keys, values, stored, lowest, highest, 0.0625, groups, config, partials)
+            decode_attention.launch(q, keys[layer], values[layer], stored, lowest, highest, 0.0625, groups, config,
+                                    partials)
             if combine_blocks is not None:
                 decode_attention.combine(partials, out, groups, *combine_blocks)
 
@@ -78,12 +83,12 @@ def whole_us(q, keys, values, stored, lowest, highest, groups: int) -> dict:
     mask = ((stored[:, None, :] >= lowest[:, :, None]) & (stored[:, None, :] <= highest[:, :, None]))
     mask = mask.repeat_interleave(groups, dim=1)[:, None]
 
-    def kernel(x):
+    def kernel(x, keys, values):
         out = decode_attention.attend((x.float() * 1.5).to(x.dtype), keys, values, stored, lowest, highest, 0.0625,
                                       groups)
         return out.view(x.shape)  # the next layer's query
 
-    def products(x):
+    def products(x, keys, values):
         x = (x.float() * 1.5).to(x.dtype)
         scores = (x @ keys.transpose(-1, -2) * 0.0625).masked_fill(~mask, float("-inf"))
         return torch.softmax(scores.float(), dim=-1).to(x.dtype) @ values
@@ -94,17 +99,18 @@ def whole_us(q, keys, values, stored, lowest, highest, groups: int) -> dict:
         outs = [q]
 
         def chain():
-            for _ in range(LAYERS):
-                outs.append(compiled(outs[-1]))
+            for layer in range(LAYERS):
+                outs.append(compiled(outs[-1], keys[layer], values[layer]))
                 outs.pop(0)
 
         result[name] = graph_us(chain, LAYERS, 5)
     return result
 
 
-def main(out: str) -> None:
+def main(out: str, names: list[str]) -> None:
     results = []
-    for name, (nkv, groups, slots, head_dim, window) in SHAPES.items():
+    for name in names or SHAPES:
+        nkv, groups, slots, head_dim, window = SHAPES[name]
         tensors = inputs(nkv, groups, slots, head_dim, window)
         timed = [(chain_us(c, *tensors, groups), c) for c in configs(slots, head_dim)]
         timed.sort(key=lambda pair: pair[0])
@@ -127,4 +133,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
