@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -73,24 +73,30 @@ def packed_name(prefix: str, names) -> str:
     return f"{prefix}{'+'.join(names)}.weight"
 
 
-def pack_projections(params: Params, parts: int = 1) -> Params:
+def pack_projections(params: Params, parts: int = 1, pack: Callable[[list], jax.Array] | None = None) -> Params:
     """Each layer's q/k/v (those it has) and gate/up weights as one [sum of out, in] weight under
     `packed_name`, as torch_gemma's Packed: at decode a GEMM of 16 rows costs a launch and, in XLA, a split of
     its reduction with a kernel that sums the parts, however small it is. The forward reads either form.
     In tensor-parallel `parts` (Parts), part 0's rows of every linear come first, then part 1's, ... ([parts * rows
     of a part, in]), so that a split by rows over any device count dividing `parts` leaves each device whole parts,
     each the matrix a device holding that part alone would pack; a single linear (a KV-shared layer's q_proj) is
-    already in that order."""
+    already in that order. `pack`: what packs one block's weights (pack_rows in `parts` by default)."""
+    pack = pack or partial(pack_rows, parts=parts)
     params = dict(params)
-    layers = {_layer_prefix(name) for name in params} - {""}
+    layers = {layer_prefix(name) for name in params} - {""}
     for layer in sorted(layers):
         for block, names in PACKS.items():
             members = [m for m in names if f"{layer}{block}{m}.weight" in params]
             if len(members) > 1:
-                chunks = [jnp.split(params.pop(f"{layer}{block}{m}.weight"), parts) for m in members]
-                params[packed_name(layer + block, members)] = jnp.concatenate(
-                    [chunk[part] for part in range(parts) for chunk in chunks])
+                params[packed_name(layer + block, members)] = pack(
+                    [params.pop(f"{layer}{block}{m}.weight") for m in members])
     return params
+
+
+def pack_rows(weights: list, parts: int = 1) -> jax.Array:
+    """[out_i, in] weights as one [sum of out_i, in]: in `parts`, each weight's rows of part 0, then of part 1, ..."""
+    chunks = [jnp.split(w, parts) for w in weights]
+    return jnp.concatenate([chunk[part] for part in range(parts) for chunk in chunks])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,13 +133,13 @@ def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16, pack: bo
 
     params = {}
     named = enumerate(sorted(expected_shapes(cfg).items()))  # sorted names keep each layer's together
-    for _, group in itertools.groupby(named, key=lambda item: _layer_prefix(item[1][0])):
+    for _, group in itertools.groupby(named, key=lambda item: layer_prefix(item[1][0])):
         made = {name: make(i, shape) for i, (name, shape) in group}
         params.update(pack_projections(made) if pack else made)
     return params
 
 
-def _layer_prefix(name: str) -> str:
+def layer_prefix(name: str) -> str:
     """`layers.3.mlp.up_proj.weight` -> `layers.3.`; "" for a tensor of no layer."""
     return name[: name.index(".", len("layers.")) + 1] if name.startswith("layers.") else ""
 

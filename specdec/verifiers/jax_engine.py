@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,7 +49,7 @@ from specdec.models.config import (PARTS_GPU_XLA_FLAGS, GemmaConfig, check_tenso
                                    decode_width, round_up, tp_split_axis)
 from specdec.models.checkpoint import load_checkpoint
 from specdec.models.jax_gemma import (Cache, Params, Parts, default_dtype, forward, init_cache, load_params,
-                                      pack_projections, reset_cache, to_device)
+                                      layer_prefix, pack_projections, pack_rows, reset_cache, to_device)
 from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams, seed_words
 
@@ -88,19 +89,42 @@ def _packed(params: Params) -> Params:
     return _pack_fn(params)
 
 
-_pack_fn = jax.jit(pack_projections, static_argnums=1)  # (params, parts)
+_pack_fn = jax.jit(pack_projections)
 
 
 def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh, parts: Parts | None = None) -> Params:
-    """Weights split over the mesh; in `parts`, packed in parts (jax_gemma.pack_projections) and split into whole parts."""
+    """Weights split over the mesh; in `parts`, a layer at a time, split into whole parts and then packed in parts on
+    each device (pack_on_devices), so that a device holds no more than one layer's weights twice."""
     if parts is None:
         check_mesh(cfg, mesh)
-    else:
-        params = _pack_fn(params, parts.count)
     tp = mesh.shape[TP_AXIS] if parts is None else parts.count
-    return {
-        name: jax.device_put(w, NamedSharding(mesh, param_partition_spec(cfg, name, tp))) for name, w in params.items()
-    }
+
+    def place(names) -> Params:
+        return {name: jax.device_put(params[name], NamedSharding(mesh, param_partition_spec(cfg, name, tp)))
+                for name in names}
+
+    if parts is None:
+        return place(params)
+    placed = {}
+    for _, names in itertools.groupby(sorted(params), key=layer_prefix):
+        placed.update(pack_on_devices(place(names), mesh, parts))
+    return placed
+
+
+def pack_on_devices(params: Params, mesh: Mesh, parts: Parts) -> Params:
+    """jax_gemma.pack_projections(params, parts.count) of weights split by row over the mesh, each device packing
+    its own rows: a device holds consecutive whole parts, so its rows packed part by part are its block of the
+    packed whole. Packing the whole 31B on one GPU before splitting it held the packed projections beside the
+    weights there, and then that GPU's block as well: more than an H200 holds (docs/benchmarks.md)."""
+    return pack_projections(params, pack=lambda weights: _row_packer(mesh, parts.local, len(weights))(*weights))
+
+
+@functools.cache
+def _row_packer(mesh: Mesh, local: int, count: int) -> Callable:
+    """pack_rows of `count` weights in `local` parts on each device of the mesh, from and into row blocks."""
+    by_row = P(TP_AXIS)
+    return jax.jit(shard_map(lambda *weights: pack_rows(list(weights), local), mesh=mesh,
+                             in_specs=(by_row,) * count, out_specs=by_row))
 
 
 

@@ -328,6 +328,45 @@ def test_parts_xla_flag_is_added_once_beside_the_users_flags():
     assert with_parts_xla_flags(flags) == flags
 
 
+PACK_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax.numpy as jnp
+    import numpy as np
+    from specdec.models.jax_gemma import Parts, load_params, pack_projections
+    from specdec.verifiers.jax_engine import make_mesh, param_partition_spec, shard_params
+
+    result = {}
+    for path in sys.argv[1:]:
+        cfg, params = load_params(path, jnp.float32)
+        whole = {name: np.asarray(w) for name, w in pack_projections(params, 2).items()}
+        for devices in (1, 2):
+            placed = shard_params(params, cfg, make_mesh(devices), Parts(2, devices))
+            result[f"{path}: {devices}"] = dict(
+                names=sorted(placed) == sorted(whole),
+                packed=sum("+" in name for name in placed),
+                equal=all(np.array_equal(np.asarray(placed[name]), whole[name]) for name in whole),
+                specs=all(placed[name].sharding.spec == param_partition_spec(cfg, name, 2) for name in whole))
+    print(json.dumps(result))
+    """
+)
+
+
+def test_weights_packed_in_parts_on_each_device_are_the_packed_whole_split(random_checkpoints):
+    """shard_params in 2 parts packs each device's own rows of q/k/v and gate/up (never the whole model on one
+    device): on 1 and 2 host devices, the weights and their splits are pack_projections(params, 2)'s."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    paths = [str(random_checkpoints[v]) for v in ("gemma4_dense", "gemma4_e")]
+    proc = subprocess.run([sys.executable, "-c", PACK_SCRIPT, *paths], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result) == 4
+    for case in result.values():
+        assert case["names"] and case["equal"] and case["specs"], case
+        assert case["packed"] > 0
+
+
 PARTS_SCRIPT = textwrap.dedent(
     """
     import hashlib, json, sys
