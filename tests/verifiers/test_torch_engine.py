@@ -158,6 +158,8 @@ def test_decode_forward_traces_a_layer_once_for_every_layer_of_its_kind(tmp_path
     followed by a layer and one the last, differ and are traced where they stand."""
     from specdec.models.random_init import write_random_checkpoint
 
+    if not hasattr(torch.compiler, "nested_compile_region"):
+        pytest.skip("this torch has no nested_compile_region")
     graphs = []
 
     def keep_graph(gm, example_inputs):
