@@ -494,7 +494,6 @@ class Experts(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: GemmaConfig, spec: LayerSpec, tp_group=None, parts: int | None = None):
         super().__init__()
-        self.cfg = cfg
         h = cfg.hidden_size
         self.self_attn = Attention(cfg, spec, tp_group, parts)
         self.mlp = MLP(h, spec.intermediate_size, tp_group, parts)
@@ -519,15 +518,9 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_2 = RMSNorm(h, cfg)
             self.pre_feedforward_layernorm_2 = RMSNorm(h, cfg)
 
-    def forward(self, x, normed, per_layer_input, ctx: ChunkContext, cache: KVCache, shared_kv: dict,
-                next_norm: torch.Tensor | None):
-        """x, the residual stream, and `normed`, its input norm (computed by the layer before, see the return) ->
-        the new x and, with the next layer's input norm weight `next_norm`, the next layer's `normed`. The norm
-        ends this layer rather than begins the next: compiled once per kind of layer (decode_layer), inductor fuses
-        within a layer's program only, and there the norm shares the kernel of the additions that end the layer, as
-        it did when the whole forward was one program. Beginning the next layer, it would be a kernel of its own."""
+    def forward(self, x, per_layer_input, ctx: ChunkContext, cache: KVCache, shared_kv: dict):
         residual = x
-        x = residual + self.post_attention_layernorm(self.self_attn(normed, ctx, cache, shared_kv))
+        x = residual + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx, cache, shared_kv))
         residual = x
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.moe:
@@ -541,18 +534,7 @@ class DecoderLayer(nn.Module):
             x = x + self.post_per_layer_input_norm(linear(gated, self.per_layer_projection.weight))
         if self.gemma4:
             x = x * self.layer_scalar
-        return x, None if next_norm is None else rms_norm(x, next_norm, self.cfg)
-
-
-# A decode forward's layer as torch.compile compiles it: once for every layer of the same kind, the program stamped
-# out for the others (torch.compiler.nested_compile_region; eager runs it as it is). As one graph of all its layers,
-# the 31B's decode forward took inductor 342-415 s from a cold cache on an H200 (docs/benchmarks.md). Prefill
-# forwards run DecoderLayer.forward itself: their layers leave their keys and values to be written after the last
-# (ChunkContext.pending_writes), a side effect a compiled region cannot hold. Dynamo inlines a region that no other
-# layer shares (the last layer; each of an E-style model's layers under torch 2.13) and regions traced with dynamic
-# shapes (a recompile at another batch), as it does every layer under a torch without regions: the same program.
-_region = getattr(torch.compiler, "nested_compile_region", None)
-decode_layer = DecoderLayer.forward if _region is None else _region(DecoderLayer.forward)
+        return x
 
 
 def group_shard(tp_group) -> tuple[int, int] | None:
@@ -789,12 +771,8 @@ class GemmaModel(nn.Module):
         # Taps by position, compared one by one: once calls have tapped different layers, torch.compile's
         # automatic dynamic shapes make the indices symbolic, and a dict keyed by them would miss.
         taps = [None] * len(hidden_layers)
-        run_layer = decode_layer if commit_first else DecoderLayer.forward
-        normed = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
-            following = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else None
-            x, normed = run_layer(layer, x, normed, per_layer[:, :, i] if per_layer is not None else None, ctx, cache,
-                                  shared_kv, following)
+            x = layer(x, per_layer[:, :, i] if per_layer is not None else None, ctx, cache, shared_kv)
             for n, tapped in enumerate(hidden_layers):
                 if tapped == i:
                     taps[n] = x

@@ -152,33 +152,6 @@ def test_compiled_forward_matches_eager(model):
     assert counters["stats"]["unique_graphs"] == graphs  # the new length compiled nothing
 
 
-def test_decode_forward_traces_a_layer_once_for_every_layer_of_its_kind(tmp_path):
-    """Compiled, a decode forward's layers of one kind call one traced program (torch.compiler.nested_compile_region),
-    so that compiling does not grow with the layer count: 10 sliding layers of 12, one program. The full layers, one
-    followed by a layer and one the last, differ and are traced where they stand."""
-    from specdec.models.random_init import write_random_checkpoint
-
-    if not hasattr(torch.compiler, "nested_compile_region"):
-        pytest.skip("this torch has no nested_compile_region")
-    graphs = []
-
-    def keep_graph(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    kinds = (["sliding_attention"] * 5 + ["full_attention"]) * 2
-    path = write_random_checkpoint("gemma3", tmp_path / "ckpt", num_hidden_layers=len(kinds), layer_types=kinds)
-    model = GemmaModel.from_checkpoint(path, max_seq_len=128)
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        forward = torch.compile(model.forward, backend=keep_graph, fullgraph=True)
-        forward(torch.arange(5, 21)[None], torch.arange(16)[None], model.allocate_cache(1, 4, 128), commit_first=True)
-    (graph,) = graphs
-    calls = [node for node in graph.graph.nodes if node.target is torch.ops.higher_order.invoke_subgraph]
-    assert len(calls) == 10
-    assert len({node.args[0].target for node in calls}) == 1
-
-
 def test_warm_up_prefill_compiles_every_chunk_length_a_prompt_can_need(random_checkpoints, monkeypatch):
     """After the warm-up no prompt length makes dynamo compile prefill again (chunks of up to SPLIT_MAX_ROWS tokens
     run eagerly). Traced with dynamo's eager backend: what gets recompiled is dynamo's decision, whatever backend
