@@ -262,7 +262,9 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
     if checkpoint:
         cfg, params = load_params(checkpoint, dtype, pack=pack)
     else:
-        params = random_params(cfg, jax.random.key(0), dtype, pack=pack)
+        # Split over a mesh or in parts, the weights are made a layer at a time into host memory, and the engine
+        # places each device's share: the whole 31B made on the first device did not fit an H100 (62 GB).
+        params = random_params(cfg, jax.random.key(0), dtype, pack=pack, place=None if pack else jax.device_get)
     engine = JaxEngine(cfg, params, max_seq_len=CONTEXT, k_max=K_MAX, **split)
     del params  # a mesh's shards are copies: one model's weights held, not two
     step, tokens = time_plain_decode(lambda: JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")

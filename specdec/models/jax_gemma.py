@@ -120,10 +120,13 @@ class Parts:
         return vocab_rows(cfg, name) % self.count == 0
 
 
-def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16, pack: bool = False) -> Params:
+def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16, pack: bool = False,
+                  place: Callable[[Params], Params] | None = None) -> Params:
     """Random weights of every tensor the config needs, made on the device (benchmarks, sharding tests).
     Matrices ~ N(0, 1/fan_in); 1-D norms and scalars at their neutral value. `pack`: the same values with each
-    layer packed (pack_projections) as it is made, so that no more than one layer's projections are held twice."""
+    layer packed (pack_projections) as it is made, so that no more than one layer's projections are held twice.
+    `place`: where each layer's weights go once made (jax.device_get: host memory), so that the device holds one
+    layer's at a time (a model larger than one device, for a mesh to split)."""
     neutral = 1.0 - cfg.norm_weight_offset  # Gemma 3 norms scale by (1 + w), Gemma 4 by w
 
     def make(i, shape):
@@ -135,7 +138,8 @@ def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16, pack: bo
     named = enumerate(sorted(expected_shapes(cfg).items()))  # sorted names keep each layer's together
     for _, group in itertools.groupby(named, key=lambda item: layer_prefix(item[1][0])):
         made = {name: make(i, shape) for i, (name, shape) in group}
-        params.update(pack_projections(made) if pack else made)
+        made = pack_projections(made) if pack else made
+        params.update(place(made) if place else made)
     return params
 
 

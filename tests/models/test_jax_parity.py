@@ -173,6 +173,21 @@ def test_random_weights_made_packed_are_the_packed_random_weights(pair):
     assert all(np.array_equal(packed[name], expected[name]) for name in expected)
 
 
+def test_random_weights_placed_a_layer_at_a_time_are_the_random_weights(pair):
+    key, placed = jax.random.key(1), []
+
+    def to_host(layer):
+        placed.append(sorted({jax_gemma.layer_prefix(name) for name in layer}))
+        return jax.device_get(layer)
+
+    on_host = jax_gemma.random_params(pair.cfg, key, jnp.float32, place=to_host)
+    expected = jax_gemma.random_params(pair.cfg, key, jnp.float32)
+    assert all(len(prefixes) == 1 for prefixes in placed)  # one layer's, or tensors of no layer, a call
+    assert len({prefix for prefix, in placed}) == pair.cfg.num_layers + 1
+    assert on_host.keys() == expected.keys() and all(isinstance(a, np.ndarray) for a in on_host.values())
+    assert all(np.array_equal(on_host[name], expected[name]) for name in expected)
+
+
 def test_multimodal_checkpoint_loads_the_text_model(random_checkpoints):
     cfg, params = jax_gemma.load_params(random_checkpoints[MULTIMODAL_VARIANT], jnp.float32)
     dense_cfg, dense = jax_gemma.load_params(random_checkpoints["gemma4_dense"], jnp.float32)
