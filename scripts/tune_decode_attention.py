@@ -2,11 +2,14 @@
 kernel just before it (launched under PDL, as inductor's are). Every (BLOCK_M, BLOCK_S, D_BLOCK, splits at most,
 warps) of each shape; the combine kernel's blocks after plan()'s kernel; then the whole attention with plan()'s
 blocks (kernel and combine, compiled) against the products and softmax it replaces (compiled), each after the same
-compiled elementwise kernel, in CUDA graphs. Prints the best blocks per shape and ours; us per layer.
+compiled elementwise kernel, in CUDA graphs. Each for forwards of 16 tokens, or of the counts --tokens gives; --plan-only
+times plan()'s blocks alone. Prints the best blocks per shape and ours; us per layer.
 
-    python scripts/tune_decode_attention.py docs/results/decode-attention-tune-h200.json ["31b sliding (1088)" ...]
+    python scripts/tune_decode_attention.py docs/results/decode-attention-tune-h200.json [--tokens 1 5 16]
+        ["31b sliding (1088)" ...]
 """
 
+import argparse
 import itertools
 import json
 import sys
@@ -22,23 +25,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_split_reduction import graph_us  # noqa: E402
 from tune_skinny_gemm import rows_kernel  # noqa: E402
 
-SHAPES = {  # KV heads, query heads per KV head, slots, head_dim, sliding window (0: none); 16-token forwards
+SHAPES = {  # KV heads, query heads per KV head, slots, head_dim, sliding window (0: none)
     "270m sliding": (1, 4, 576, 256, 512), "270m full (1024)": (1, 4, 1024, 256, 0),
     "e4b sliding": (2, 4, 576, 256, 512),
     # Past MAX_SLOTS, where each split loops over blocks: the 31B's sliding ring, the 270M's full layers at 2,048.
     "31b sliding (1088)": (16, 2, 1088, 256, 1024), "270m full (2048)": (1, 4, 2048, 256, 0),
 }
-TOKENS, LAYERS = 16, 18
+LAYERS = 18
 
 
-def inputs(nkv: int, groups: int, slots: int, head_dim: int, window: int):
+def inputs(nkv: int, groups: int, slots: int, head_dim: int, window: int, tokens: int):
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, nkv, TOKENS * groups, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    q = torch.randn(1, nkv, tokens * groups, head_dim, device="cuda", generator=g).to(torch.bfloat16)
     # A cache per layer, as a forward reads them: the 31B's 18 layers' (320 MB) are not in L2 when read.
     keys, values = ([torch.randn(1, nkv, slots, head_dim, device="cuda", generator=g).to(torch.bfloat16)
                      for _ in range(LAYERS)] for _ in range(2))
     stored = torch.arange(slots, device="cuda")[None]
-    highest = torch.arange(slots - TOKENS, slots, device="cuda")[None]
+    highest = torch.arange(slots - tokens, slots, device="cuda")[None]
     lowest = (highest - window + 1).clamp(min=0) if window else torch.zeros_like(highest)
     return q, keys, values, stored, lowest, highest
 
@@ -107,30 +110,38 @@ def whole_us(q, keys, values, stored, lowest, highest, groups: int) -> dict:
     return result
 
 
-def main(out: str, names: list[str]) -> None:
+def main(out: str, names: list[str], token_counts: list[int], plan_only: bool) -> None:
     results = []
-    for name in names or SHAPES:
+    ours = (decode_attention.COMBINE_BLOCK_M, decode_attention.COMBINE_D_BLOCK)
+    for tokens, name in itertools.product(token_counts, names or SHAPES):
         nkv, groups, slots, head_dim, window = SHAPES[name]
-        tensors = inputs(nkv, groups, slots, head_dim, window)
-        timed = [(chain_us(c, *tensors, groups), c) for c in configs(slots, head_dim)]
-        timed.sort(key=lambda pair: pair[0])
-        planned = decode_attention.plan(slots, head_dim)
-        planned_us = next(us for us, c in timed if c == planned)
+        tensors = inputs(nkv, groups, slots, head_dim, window, tokens)
+        planned = decode_attention.plan(slots, head_dim, nkv)
+        planned_us = chain_us(planned, *tensors, groups)
+        timed = sorted(((chain_us(c, *tensors, groups), c) for c in configs(slots, head_dim) if not plan_only),
+                       key=lambda pair: pair[0]) or [(planned_us, planned)]
         whole = whole_us(*tensors, groups)
         combines = sorted((chain_us(planned, *tensors, groups, blocks), blocks)
-                          for blocks in itertools.product((8, 16, 32), (32, 64, 128)))
-        ours = (decode_attention.COMBINE_BLOCK_M, decode_attention.COMBINE_D_BLOCK)
-        results.append({"shape": name, "best": [{"us": us, **c} for us, c in timed[:5]],
+                          for blocks in ([ours] if plan_only else itertools.product((8, 16, 32), (32, 64, 128))))
+        results.append({"shape": name, "tokens": tokens, "best": [{"us": us, **c} for us, c in timed[:5]],
                         "plan": {"us": planned_us, **planned}, "whole_layer_us": whole,
                         "with_combine_us": [{"us": us, "BLOCK_M": m, "D_BLOCK": d} for us, (m, d) in combines]})
-        print(f"{name:18s} best {timed[0][0]:5.2f} us {timed[0][1]}\n{'':18s} plan {planned_us:5.2f} us; "
+        label = f"{name} T={tokens}"
+        print(f"{label:24s} best {timed[0][0]:5.2f} us {timed[0][1]}\n{'':24s} plan {planned_us:5.2f} us; "
               f"compiled layer: kernel+combine {whole['kernel']:5.2f} us, products+softmax {whole['products']:5.2f} us")
-        print(f"{'':18s} with the combine: best {combines[0][0]:5.2f} us {combines[0][1]}, ours "
+        print(f"{'':24s} with the combine: best {combines[0][0]:5.2f} us {combines[0][1]}, ours "
               f"{next(us for us, blocks in combines if blocks == ours):5.2f} us {ours}")
     Path(out).write_text(json.dumps({"benchmark": "tune_decode_attention", "date": now_utc(), "commit": git_commit(),
-                                     "device": torch.cuda.get_device_name(), "tokens": TOKENS,
-                                     "results": results}, indent=1))
+                                     "device": torch.cuda.get_device_name(), "results": results}, indent=1))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("shapes", nargs="*", help=f"of {list(SHAPES)} (default: all)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16])
+    parser.add_argument("--plan-only", action="store_true", help="time plan()'s blocks alone: no sweep")
+    args = parser.parse_args()
+    if unknown := set(args.shapes) - set(SHAPES):
+        parser.error(f"unknown shapes {sorted(unknown)}; known: {list(SHAPES)}")
+    main(args.out, args.shapes, args.tokens, args.plan_only)

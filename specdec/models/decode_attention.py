@@ -21,25 +21,28 @@ import torch
 
 from specdec.models import skinny_gemm
 
-MAX_SPLITS = 16  # programs along the slots at most: the combine reads splits x rows x head_dim float32 partials
+MAX_SPLITS = 32  # programs along the slots at most: the combine reads splits x rows x head_dim float32 partials
 BLOCK_S = 64  # slots a program scores at a time
 MAX_HEAD_DIM = 256  # 512-wide heads (E4B's full layers) ran slower than the products they would replace (H200)
-# Caches of at most this many slots: a block a split. Longer ones (the 31B's sliding ring of 1,088, long contexts)
-# loop over blocks in each program and have not been measured against the products; an earlier kernel of this
-# kind lost on the 31B's layers (docs/benchmarks.md).
+# Caches of at most this many slots (the 31B's sliding ring of 1,088 among them): a block a split. Longer ones (long
+# contexts) would loop over blocks in each program, which lost to the products on the 31B's ring (docs/benchmarks.md).
 MAX_SLOTS = MAX_SPLITS * BLOCK_S
+WIDE_PROGRAMS = 128  # from this many (KV head, split) programs, each takes all of a head's value columns
 
 
-def plan(slots: int, head_dim: int) -> dict:
-    """Blocks for a cache of `slots` (never for a forward's rows, so that a row's bits do not depend on how many
-    there are): 16 query rows and 128 value columns a program, and the slots in splits of whole blocks of 64, a
-    block a split where there are at most MAX_SPLITS blocks. Swept by scripts/tune_decode_attention.py on an H200:
-    within 0.2 us of the fastest partials kernel on the 270M's layers (0.7 us on E4B's), with half the partials of
-    the fastest for the combine to read (docs/benchmarks.md)."""
+def plan(slots: int, head_dim: int, kv_heads: int) -> dict:
+    """Blocks for a cache of `slots` and `kv_heads` (never for a forward's rows, so that a row's bits do not depend
+    on how many there are): 16 query rows a program, the slots in splits of whole blocks of 64, a block a split
+    where there are at most MAX_SPLITS blocks, and 128 value columns a program unless the heads and splits make
+    WIDE_PROGRAMS programs without them: a program of all the columns reads its keys once. Swept by
+    scripts/tune_decode_attention.py: within 0.2 us of the fastest partials kernel on the 270M's layers (0.7 us on
+    E4B's, H200), and the fastest on the 31B's ring in a one-token forward (H100; docs/benchmarks.md)."""
     blocks = -(-slots // BLOCK_S)
     chunk = BLOCK_S * -(-blocks // MAX_SPLITS)
-    return {"splits": -(-slots // chunk), "chunk": chunk, "BLOCK_S": BLOCK_S, "BLOCK_M": 16,
-            "D_BLOCK": min(head_dim, 128), "num_warps": 4}
+    splits = -(-slots // chunk)
+    wide = kv_heads * splits >= WIDE_PROGRAMS
+    return {"splits": splits, "chunk": chunk, "BLOCK_S": BLOCK_S, "BLOCK_M": 16,
+            "D_BLOCK": head_dim if wide else min(head_dim, 128), "num_warps": 4}
 
 
 def takes(q: torch.Tensor, keys: torch.Tensor, softcap: float | None) -> bool:
@@ -192,7 +195,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, stored: to
     q [B, n_kv, rows, hd] (row = token * groups + query head of the KV head), keys and values [B, n_kv, slots, hd],
     the position each slot holds [B, slots], the lowest and highest position each token attends [B, T]; the output
     [B, T, n_kv * groups * hd] in q's dtype, query heads in order."""
-    config = plan(keys.shape[2], q.shape[-1])
+    config = plan(keys.shape[2], q.shape[-1], keys.shape[1])
     q, keys, values, stored, lowest, highest = (t if t.stride(-1) == 1 else t.contiguous()  # the kernels' layout
                                                 for t in (q, keys, values, stored, lowest, highest))
     partials = empty_partials(q, config["splits"])

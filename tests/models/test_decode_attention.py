@@ -18,14 +18,22 @@ SHAPES = {  # batch, KV heads, query heads per KV head, slots, head_dim, sliding
 
 @pytest.mark.parametrize("slots", [1, 40, 64, 576, 1024, 1088, 4096, 32768])
 @pytest.mark.parametrize("head_dim", [16, 128, 256])
-def test_splits_cover_the_slots_in_whole_blocks(slots, head_dim):
-    config = decode_attention.plan(slots, head_dim)
+@pytest.mark.parametrize("kv_heads", [1, 16])
+def test_splits_cover_the_slots_in_whole_blocks(slots, head_dim, kv_heads):
+    config = decode_attention.plan(slots, head_dim, kv_heads)
     splits, chunk, block = config["splits"], config["chunk"], config["BLOCK_S"]
     assert chunk % block == 0 and 1 <= splits <= decode_attention.MAX_SPLITS
     assert (splits - 1) * chunk < slots <= splits * chunk  # no split past the cache, none missing
     assert chunk == block or -(-slots // (chunk - block)) > decode_attention.MAX_SPLITS  # the shortest that fits
     assert head_dim % config["D_BLOCK"] == 0
     assert (chunk == block) == (slots <= decode_attention.MAX_SLOTS)  # the engine's caches: a block a split
+
+
+def test_the_31bs_ring_takes_a_block_a_split_and_whole_heads():
+    """The blocks measured fastest on the 31B's sliding ring; the 270M's single KV head keeps narrower programs."""
+    assert decode_attention.plan(1088, 256, 16) == {"splits": 17, "chunk": 64, "BLOCK_S": 64, "BLOCK_M": 16,
+                                                    "D_BLOCK": 256, "num_warps": 4}
+    assert decode_attention.plan(1024, 256, 1)["D_BLOCK"] == 128
 
 
 def bf16(*shape, seed: int) -> torch.Tensor:
@@ -81,7 +89,7 @@ def test_attention_against_float64(name):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("name", ["270m sliding", "128 query rows"])
+@pytest.mark.parametrize("name", ["270m sliding", "128 query rows", "31b sliding, batch 2"])
 def test_a_rows_attention_does_not_depend_on_the_forwards_width(name):
     """A one-token forward's output is bitwise that of the same token first in a 16-token forward."""
     q, keys, values, stored, lowest, highest, groups = case(name)
