@@ -12,7 +12,8 @@ so every step is the engine's one decode width), its seconds per token over `--s
 the roofline: the device's copy bandwidth over the bytes one step must read, i.e. every weight (one row of a
 table that is only looked up: untied embeddings, per-layer inputs) and every allocated KV slot. Bytes are counted
 from the config, the same for both engines. Each (engine, model) runs in a process of its own, so a 31B's
-weights are held once and JAX's allocator does not meet torch's.
+weights are held once and JAX's allocator does not meet torch's. The caches hold 1,024 positions (`--context`):
+a sliding ring is never longer than the context, so the 31B's ring of 1,088 slots needs `--context 1088` or more.
 
 Random weights cost what real ones do (shapes, not values, set the time). Shapes of the 31B and E4B are
 assumed (no released configs could be read here; docs/benchmarks.md).
@@ -42,7 +43,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 K_MAX = 8
-CONTEXT = 1024  # cache positions: a 128-token prompt and the decoded tokens fit
+CONTEXT = 1024  # cache positions by default (--context): a 128-token prompt and the decoded tokens fit
+PROMPT_TOKENS = 128
+MOST_WARM_UP = 16  # steps an engine runs before the timed ones, at most
 
 # Gemma 4 31B as we understand its config: 60 layers, every 6th full attention; sliding layers 32 query / 16 KV
 # heads of 256; full layers k_eq_v with 4 KV heads of 512.
@@ -99,15 +102,15 @@ def checkpoint_270m() -> Path:
     return default_checkpoint()
 
 
-def step_bytes(cfg, itemsize: int) -> dict[str, int]:
+def step_bytes(cfg, itemsize: int, context: int) -> dict[str, int]:
     """What one batch-1 decode step reads: every weight (a single row of a table that is only looked up) and
-    every allocated KV slot of an engine of CONTEXT positions and K_MAX."""
+    every allocated KV slot of an engine of `context` positions and K_MAX."""
     from specdec.models.checkpoint import expected_shapes
 
     lookup_only = {"embed_tokens_per_layer.weight"} | ({"embed_tokens.weight"} if not cfg.tie_word_embeddings else set())
     weights = sum(math.prod(shape[1:] if name in lookup_only else shape) for name, shape in expected_shapes(cfg).items())
     kv = sum(math.prod(shape) * (2 if with_values else 1)
-             for shape, with_values in filter(None, cfg.kv_cache_shapes(1, CONTEXT, K_MAX)))
+             for shape, with_values in filter(None, cfg.kv_cache_shapes(1, context, K_MAX)))
     return {"weights": weights * itemsize, "kv_cache": kv * itemsize, "total": (weights + kv) * itemsize}
 
 
@@ -211,11 +214,11 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         if cuda:
             device = f"cuda:{torch.cuda.current_device()}"
     if checkpoint:
-        model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=CONTEXT, tp_group=group,
+        model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=args.context, tp_group=group,
                                            tp_parts=args.tp_parts)
     else:
-        model = GemmaModel.random(cfg, dtype, device, CONTEXT, tp_group=group, tp_parts=args.tp_parts)
-    engine = TorchEngine(model, max_seq_len=CONTEXT, k_max=K_MAX, compile=cuda and args.torch_compile)
+        model = GemmaModel.random(cfg, dtype, device, args.context, tp_group=group, tp_parts=args.tp_parts)
+    engine = TorchEngine(model, max_seq_len=args.context, k_max=K_MAX, compile=cuda and args.torch_compile)
     with torch.inference_mode():
         step, tokens = time_plain_decode(lambda: FusedCycle(engine, None, 0), prompt, args, 8, 3,
                                          "compiled and captured")
@@ -223,7 +226,7 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         log(f"  logits digest {digest}")
 
         def verify_s(width: int) -> float:
-            per_width = TorchEngine(model, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
+            per_width = TorchEngine(model, max_seq_len=args.context, k_max=max(width - 1, 1), invariant=False,
                                     compile=False)
             return time_verify(per_width, prompt, width, 20)
 
@@ -265,13 +268,13 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
         # Split over a mesh or in parts, the weights are made a layer at a time into host memory, and the engine
         # places each device's share: the whole 31B made on the first device did not fit an H100 (62 GB).
         params = random_params(cfg, jax.random.key(0), dtype, pack=pack, place=None if pack else jax.device_get)
-    engine = JaxEngine(cfg, params, max_seq_len=CONTEXT, k_max=K_MAX, **split)
+    engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=K_MAX, **split)
     del params  # a mesh's shards are copies: one model's weights held, not two
     step, tokens = time_plain_decode(lambda: JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")
     digest = logits_digest(engine, prompt)
 
     def verify_s(width: int) -> float:
-        per_width = JaxEngine(cfg, engine.params, max_seq_len=CONTEXT, k_max=max(width - 1, 1), invariant=False,
+        per_width = JaxEngine(cfg, engine.params, max_seq_len=args.context, k_max=max(width - 1, 1), invariant=False,
                               **split)
         pending = per_width.prefill([prompt])
         ids = jnp.broadcast_to(jnp.asarray(pending, jnp.int32)[:, None], (1, width))
@@ -303,14 +306,14 @@ def child(engine: str, name: str, tp: int, args) -> dict | None:
     raw = model_config(name, args)
     cfg = GemmaConfig.from_dict(raw)
     checkpoint = checkpoint_270m() if name == "270m" and not (args.tiny or args.config_270m) else None
-    prompt = [cfg.bos_token_id] + np.random.default_rng(0).integers(3, cfg.vocab_size, 127).tolist()
+    prompt = [cfg.bos_token_id] + np.random.default_rng(0).integers(3, cfg.vocab_size, PROMPT_TOKENS - 1).tolist()
     log(f"{engine} {name} on {tp} device(s): {cfg.num_layers} layers, "
         f"{'checkpoint ' + str(checkpoint) if checkpoint else 'random weights'}")
     result = (measure_torch if engine == "torch" else measure_jax)(cfg, checkpoint, prompt, args, tp)
     if result is None:
         return None
     return dict(result, engine=engine, model=name, tensor_parallel=tp, tp_parts=args.tp_parts,
-                bytes_per_step=step_bytes(cfg, result["itemsize"]),
+                bytes_per_step=step_bytes(cfg, result["itemsize"], args.context),
                 **({"layers": cfg.num_layers} if args.layers else {}))
 
 
@@ -328,7 +331,7 @@ def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dic
 
         env["XLA_FLAGS"] = with_parts_xla_flags(env.get("XLA_FLAGS", ""))
     command = launcher + ["specdec.roofline", "--child", f"{engine}:{name}:{tp}", "--steps", str(args.steps),
-                          "--tokens", str(args.tokens)]
+                          "--tokens", str(args.tokens), "--context", str(args.context)]
     command += ["--tiny"] * args.tiny + ["--no-torch-compile"] * (not args.torch_compile)
     command += ["--verify-widths", ",".join(map(str, args.verify_widths))] if args.verify_widths else []
     command += ["--config-270m", str(args.config_270m)] if args.config_270m else []
@@ -352,11 +355,11 @@ def run_all(args) -> tuple[dict, list[str]]:
                     log(f"{failed[-1]}: failed (exit {done.returncode})")
                     continue
                 rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-                args.out.write_text(json.dumps(summarise(rows, args.steps), indent=1))
-    return summarise(rows, args.steps), failed
+                args.out.write_text(json.dumps(summarise(rows, args.steps, args.context), indent=1))
+    return summarise(rows, args.steps, args.context), failed
 
 
-def summarise(rows: list[dict], steps: int) -> dict:
+def summarise(rows: list[dict], steps: int, context: int) -> dict:
     bandwidth = max((r["copy_bandwidth"] for r in rows), default=0.0)  # one device's, at its best measurement
     for r in rows:
         tp = r.get("tensor_parallel", 1)
@@ -367,7 +370,7 @@ def summarise(rows: list[dict], steps: int) -> dict:
 
     return {"benchmark": "roofline", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "device": rows[0]["device"] if rows else None, "copy_bandwidth": bandwidth,
-            "context": CONTEXT, "k_max": K_MAX, "steps": steps, "rows": rows}
+            "context": context, "k_max": K_MAX, "steps": steps, "rows": rows}
 
 
 def merge(paths: list[Path]) -> dict:
@@ -376,7 +379,8 @@ def merge(paths: list[Path]) -> dict:
     rows = [dict(r, date=rec["date"], commit=rec["commit"]) for rec in records for r in rec["rows"]]
     if len(records) == 1:
         return records[0]
-    return dict(summarise(rows, records[0]["steps"]), date=records[-1]["date"], commit=records[-1]["commit"],
+    context = records[0].get("context", CONTEXT)
+    return dict(summarise(rows, records[0]["steps"], context), date=records[-1]["date"], commit=records[-1]["commit"],
                 merged_from=[str(p) for p in paths])
 
 
@@ -483,6 +487,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=128, help="decode steps timed per (engine, model)")
     parser.add_argument("--tensor-parallel", default="1", help="comma-separated device counts, e.g. 1,2")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens kept per row (compared across devices)")
+    parser.add_argument("--context", type=int, default=CONTEXT, help="cache positions (a sliding ring is the window "
+                        "and a verify forward's slots, at most the context: 1,088 slots for the 31B past 1,088)")
     parser.add_argument("--layers", type=int, help="cut each model to its first N layers (shorter compiles, the "
                         "same layer shapes; the 270m and 31b)")
     parser.add_argument("--tp-parts", type=int, help="compute each split weight in this many parts on every "
@@ -496,6 +502,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     models = [args.child.split(":")[1]] if args.child else args.models.split(",")  # a child runs its own
+    needed = PROMPT_TOKENS + MOST_WARM_UP + max(args.steps, args.tokens) + 2 * (K_MAX + 1)  # a cycle's slack as well
+    if args.context < needed:
+        parser.error(f"--context {args.context} is too short for a {PROMPT_TOKENS}-token prompt and {MOST_WARM_UP} + "
+                     f"{max(args.steps, args.tokens)} decode steps: at least {needed}")
     if args.layers and "e4b" in models:
         parser.error("--layers does not cut e4b, whose last layers share the caches of earlier ones")
     if args.child:

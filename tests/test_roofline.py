@@ -5,6 +5,10 @@ a results file drawn again with --replot."""
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
+
+from specdec import roofline as roofline_module
+from specdec.models.config import GemmaConfig
 
 
 def roofline(*args: str) -> subprocess.CompletedProcess:
@@ -40,6 +44,22 @@ def test_bad_flag_is_refused():
     assert done.returncode == 2 and "expected one argument" in done.stderr
     done = roofline("--tiny", "--models", "e4b", "--layers", "3")
     assert done.returncode == 2 and "--layers does not cut e4b" in done.stderr
+    done = roofline("--tiny", "--steps", "128", "--context", "200")
+    assert done.returncode == 2 and "--context 200 is too short" in done.stderr
+
+
+def test_context_sizes_the_caches_and_the_bytes_a_step_reads(tmp_path):
+    out = tmp_path / "roofline.json"
+    done = roofline("--tiny", "--models", "31b", "--engines", "jax", "--steps", "2", "--tokens", "4", "--context",
+                    "200", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    cfg = GemmaConfig.from_dict(roofline_module.model_config("31b", SimpleNamespace(tiny=True, layers=None)))
+    itemsize = record["rows"][0]["itemsize"]
+    assert record["context"] == 200
+    assert record["rows"][0]["bytes_per_step"] == roofline_module.step_bytes(cfg, itemsize, 200)
+    assert roofline_module.step_bytes(cfg, itemsize, 200)["kv_cache"] < roofline_module.step_bytes(
+        cfg, itemsize, roofline_module.CONTEXT)["kv_cache"]
 
 
 def test_a_failed_measurement_fails_the_run():
