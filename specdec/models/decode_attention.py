@@ -25,7 +25,8 @@ MAX_SPLITS = 32  # programs along the slots at most: the combine reads splits x 
 BLOCK_S = 64  # slots a program scores at a time
 MAX_HEAD_DIM = 256  # 512-wide heads (E4B's full layers) ran slower than the products they would replace (H200)
 # Caches of at most this many slots (the 31B's sliding ring of 1,088 among them): a block a split. Longer ones (long
-# contexts) would loop over blocks in each program, which lost to the products on the 31B's ring (docs/benchmarks.md).
+# contexts) would loop over blocks in each program, which lost to the products on the 31B's ring in 16-token
+# forwards (docs/benchmarks.md).
 MAX_SLOTS = MAX_SPLITS * BLOCK_S
 WIDE_PROGRAMS = 128  # from this many (KV head, split) programs, each takes all of a head's value columns
 
