@@ -28,7 +28,7 @@ from tune_skinny_gemm import rows_kernel  # noqa: E402
 SHAPES = {  # KV heads, query heads per KV head, slots, head_dim, sliding window (0: none)
     "270m sliding": (1, 4, 576, 256, 512), "270m full (1024)": (1, 4, 1024, 256, 0),
     "e4b sliding": (2, 4, 576, 256, 512),
-    # Past MAX_SLOTS, where each split loops over blocks: the 31B's sliding ring, the 270M's full layers at 2,048.
+    # Past 1,024 slots: the 31B's sliding ring (17 splits since fbdfcad), the 270M's full layers at 2,048 (32).
     "31b sliding (1088)": (16, 2, 1088, 256, 1024), "270m full (2048)": (1, 4, 2048, 256, 0),
 }
 LAYERS = 18
