@@ -91,13 +91,11 @@ def test_rows_in_parts_compare_bits_across_device_counts(tmp_path):
 
 def test_jax_rows_in_parts_start_with_the_parts_xla_flag():
     """XLA reads its flags when JAX starts: a JAX row in parts gets the one its GPUs need in its environment."""
-    from types import SimpleNamespace
-
     from specdec.models.config import PARTS_GPU_XLA_FLAGS
-    from specdec.roofline import child_command
 
+    child_command = roofline_module.child_command
     args = SimpleNamespace(steps=2, tokens=4, tiny=True, torch_compile=True, verify_widths=None, config_270m=None,
-                           tp_parts=2, layers=None)
+                           tp_parts=2, layers=None, context=roofline_module.CONTEXT)
     _, env = child_command("jax", "31b", 2, args)
     assert env["XLA_FLAGS"].split()[-3:] == ["--xla_force_host_platform_device_count=2", *PARTS_GPU_XLA_FLAGS]
     without_parts = SimpleNamespace(**{**vars(args), "tp_parts": None})
