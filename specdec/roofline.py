@@ -214,8 +214,8 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         if cuda:
             device = f"cuda:{torch.cuda.current_device()}"
     if checkpoint:
-        model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=args.context, tp_group=group,
-                                           tp_parts=args.tp_parts)
+        model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=args.context,
+                                           tp_group=group, tp_parts=args.tp_parts)
     else:
         model = GemmaModel.random(cfg, dtype, device, args.context, tp_group=group, tp_parts=args.tp_parts)
     engine = TorchEngine(model, max_seq_len=args.context, k_max=K_MAX, compile=cuda and args.torch_compile)
@@ -266,7 +266,7 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
         cfg, params = load_params(checkpoint, dtype, pack=pack)
     else:
         # Split over a mesh or in parts, the weights are made a layer at a time into host memory, and the engine
-        # places each device's share: the whole 31B made on the first device did not fit an H100 (62 GB).
+        # places each device's share: the whole 31B (62 GB) made on the first H100 left no room there for its share.
         params = random_params(cfg, jax.random.key(0), dtype, pack=pack, place=None if pack else jax.device_get)
     engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=K_MAX, **split)
     del params  # a mesh's shards are copies: one model's weights held, not two
