@@ -19,7 +19,7 @@ import torch
 import triton
 
 from specdec.evidence import git_commit, now_utc
-from specdec.models import decode_attention
+from specdec.models import decode_attention, decode_plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_split_reduction import graph_us  # noqa: E402
@@ -116,7 +116,7 @@ def main(out: str, names: list[str], token_counts: list[int], plan_only: bool) -
     for tokens, name in itertools.product(token_counts, names or SHAPES):
         nkv, groups, slots, head_dim, window = SHAPES[name]
         tensors = inputs(nkv, groups, slots, head_dim, window, tokens)
-        planned = decode_attention.plan(slots, head_dim, nkv)
+        planned = decode_plan.plan(slots, head_dim, nkv)
         planned_us = chain_us(planned, *tensors, groups)
         timed = sorted(((chain_us(c, *tensors, groups), c) for c in configs(slots, head_dim) if not plan_only),
                        key=lambda pair: pair[0]) or [(planned_us, planned)]

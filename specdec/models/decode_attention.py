@@ -1,5 +1,5 @@
 """A decode forward's attention over the static cache as two Triton kernels: split-softmax partials over the cache's
-slots, then their combination.
+slots, then their combination. Their blocks are decode_plan's, which the JAX engine's Pallas kernel shares.
 
 Compiled, a decode forward's attention ran as a batched GEMM for the scores, a fused mask-and-softmax kernel and a
 batched GEMM for the values: three kernels of 1.7-3.4 us a layer on the 270M, latency rather than bytes (its cache
@@ -20,30 +20,7 @@ import functools
 import torch
 
 from specdec.models import skinny_gemm
-
-MAX_SPLITS = 32  # programs along the slots at most: the combine reads splits x rows x head_dim float32 partials
-BLOCK_S = 64  # slots a program scores at a time
-MAX_HEAD_DIM = 256  # 512-wide heads (E4B's full layers) ran slower than the products they would replace (H200)
-# Caches of at most this many slots (the 31B's sliding ring of 1,088 among them): a block a split. Longer ones (long
-# contexts) would loop over blocks in each program, which lost to the products on the 31B's ring in 16-token
-# forwards (docs/benchmarks.md).
-MAX_SLOTS = MAX_SPLITS * BLOCK_S
-WIDE_PROGRAMS = 128  # from this many (KV head, split) programs, each takes all of a head's value columns
-
-
-def plan(slots: int, head_dim: int, kv_heads: int) -> dict:
-    """Blocks for a cache of `slots` and `kv_heads` (never for a forward's rows, so that a row's bits do not depend
-    on how many there are): 16 query rows a program, the slots in splits of whole blocks of 64, a block a split
-    where there are at most MAX_SPLITS blocks, and 128 value columns a program unless the heads and splits make
-    WIDE_PROGRAMS programs without them: a program of all the columns reads its keys once. Swept by
-    scripts/tune_decode_attention.py: within 0.2 us of the fastest partials kernel on the 270M's layers (0.7 us on
-    E4B's, H200), and the fastest on the 31B's ring in a one-token forward (H100; docs/benchmarks.md)."""
-    blocks = -(-slots // BLOCK_S)
-    chunk = BLOCK_S * -(-blocks // MAX_SPLITS)
-    splits = -(-slots // chunk)
-    wide = kv_heads * splits >= WIDE_PROGRAMS
-    return {"splits": splits, "chunk": chunk, "BLOCK_S": BLOCK_S, "BLOCK_M": 16,
-            "D_BLOCK": head_dim if wide else min(head_dim, 128), "num_warps": 4}
+from specdec.models.decode_plan import MAX_HEAD_DIM, MAX_SLOTS, plan
 
 
 def takes(q: torch.Tensor, keys: torch.Tensor, softcap: float | None) -> bool:

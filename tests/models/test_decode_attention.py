@@ -5,7 +5,7 @@ graph reading each replay's new query and cache slot."""
 import pytest
 import torch
 
-from specdec.models import decode_attention, skinny_gemm
+from specdec.models import decode_attention, decode_plan, skinny_gemm
 
 hopper = pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton and Hopper")
 
@@ -20,20 +20,20 @@ SHAPES = {  # batch, KV heads, query heads per KV head, slots, head_dim, sliding
 @pytest.mark.parametrize("head_dim", [16, 128, 256])
 @pytest.mark.parametrize("kv_heads", [1, 16])
 def test_splits_cover_the_slots_in_whole_blocks(slots, head_dim, kv_heads):
-    config = decode_attention.plan(slots, head_dim, kv_heads)
+    config = decode_plan.plan(slots, head_dim, kv_heads)
     splits, chunk, block = config["splits"], config["chunk"], config["BLOCK_S"]
-    assert chunk % block == 0 and 1 <= splits <= decode_attention.MAX_SPLITS
+    assert chunk % block == 0 and 1 <= splits <= decode_plan.MAX_SPLITS
     assert (splits - 1) * chunk < slots <= splits * chunk  # no split past the cache, none missing
-    assert chunk == block or -(-slots // (chunk - block)) > decode_attention.MAX_SPLITS  # the shortest that fits
+    assert chunk == block or -(-slots // (chunk - block)) > decode_plan.MAX_SPLITS  # the shortest that fits
     assert head_dim % config["D_BLOCK"] == 0
-    assert (chunk == block) == (slots <= decode_attention.MAX_SLOTS)  # the engine's caches: a block a split
+    assert (chunk == block) == (slots <= decode_plan.MAX_SLOTS)  # the engine's caches: a block a split
 
 
 def test_the_31bs_ring_takes_a_block_a_split_and_whole_heads():
     """The blocks measured fastest on the 31B's sliding ring; the 270M's single KV head keeps narrower programs."""
-    assert decode_attention.plan(1088, 256, 16) == {"splits": 17, "chunk": 64, "BLOCK_S": 64, "BLOCK_M": 16,
-                                                    "D_BLOCK": 256, "num_warps": 4}
-    assert decode_attention.plan(1024, 256, 1)["D_BLOCK"] == 128
+    assert decode_plan.plan(1088, 256, 16) == {"splits": 17, "chunk": 64, "BLOCK_S": 64, "BLOCK_M": 16,
+                                               "D_BLOCK": 256, "num_warps": 4}
+    assert decode_plan.plan(1024, 256, 1)["D_BLOCK"] == 128
 
 
 def bf16(*shape, seed: int) -> torch.Tensor:
