@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec.models import jax_decode_attention
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
 from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq, vocab_rows
 
@@ -218,7 +219,7 @@ def _chunk_context(cfg: GemmaConfig, positions, cache: Cache, dtype, commit_firs
     start = positions[:, :1]  # chunks are contiguous: positions[:, t] = start + t
     causal = jnp.tril(jnp.ones((T, T), bool))
     rows = jnp.arange(B)[:, None]
-    ctx = {"cos": {}, "sin": {}, "cached_cos": {}, "cached_sin": {}, "mask": {}, "slots": {},
+    ctx = {"cos": {}, "sin": {}, "cached_cos": {}, "cached_sin": {}, "mask": {}, "slots": {}, "attended": {},
            "commit_first": commit_first}
     for kind in KINDS:
         inv_freq = rope_inv_freq(cfg.rope[kind], cfg.kind_head_dim(kind))
@@ -233,6 +234,10 @@ def _chunk_context(cfg: GemmaConfig, positions, cache: Cache, dtype, commit_firs
             cos, sin = _rope_cos_sin(inv_freq, jnp.maximum(stored, 0), dtype)
             ctx["cached_cos"][kind], ctx["cached_sin"][kind] = cos[:, None], sin[:, None]  # [B, 1, S, hd]
         if commit_first:
+            window = cfg.sliding_window if kind == SLIDING else 0
+            # the lowest and highest stored position each row attends (jax_decode_attention reads them)
+            ctx["attended"][kind] = (jnp.maximum(positions - window + 1, 0) if window else jnp.zeros_like(positions),
+                                     positions)
             cache_mask = (stored[:, None, :] >= 0) & (stored[:, None, :] <= positions[:, :, None])  # [B, T, S]
         else:
             visible = (stored >= 0) & (stored < start)
@@ -385,8 +390,13 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
             k_old = _keys_from_stored(k_old, k_norm, ctx["cached_cos"][kind], ctx["cached_sin"][kind])
         else:
             v_old = heads(v_old)
-        kv = [(k_old, v_old)] if ctx["commit_first"] else [(k_old, v_old), (heads(k_new), heads(v_new))]
-        outs.append(_attend(cfg, q, kv, ctx["mask"][kind]).reshape(B, T, -1))
+        if ctx["commit_first"] and jax_decode_attention.takes(q, k_old, cfg.attn_logit_softcapping):
+            out = jax_decode_attention.attend(q, k_old, v_old, cache["slot_pos"][kind], *ctx["attended"][kind],
+                                              cfg.attention_scale)
+        else:
+            kv = [(k_old, v_old)] if ctx["commit_first"] else [(k_old, v_old), (heads(k_new), heads(v_new))]
+            out = _attend(cfg, q, kv, ctx["mask"][kind])
+        outs.append(out.reshape(B, T, -1))
     return _row_parallel(params, p + "o_proj.weight", outs, parts)
 
 

@@ -1,0 +1,185 @@
+"""A JAX decode forward's attention over the static cache as two Pallas kernels (Triton on GPUs).
+
+XLA ran a sliding layer's decode attention on the 270M as five kernels: the scores' product, the masked softmax, the
+value product split over the slots, its reduction and a transpose (docs/benchmarks.md). This is the flash-decoding
+split the torch engine runs (decode_attention), with the same blocks (decode_plan): each program scores a block of
+slots against 16 query rows of one KV head, masks them by the positions the slots hold against each row's lowest and
+highest attended position, and keeps its own float32 softmax maximum, sum and value product. A second kernel combines
+the splits in split order and writes the output in the layout o_proj reads.
+
+Every decode forward of an engine runs one width, so its programs are the same in a plain step and in a verify, and
+what a program computes for a row depends on that row and the slots alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specdec.models.decode_plan import BLOCK_M, MAX_HEAD_DIM, plan
+
+_interpret = False  # tests: run the kernel through Pallas's interpreter on any backend (interpreted())
+
+
+@contextlib.contextmanager
+def interpreted():
+    """Inside, forwards traced on any backend (the CPU too) take the kernel, run by Pallas's interpreter."""
+    global _interpret
+    before, _interpret = _interpret, True
+    try:
+        yield
+    finally:
+        _interpret = before
+
+
+@functools.cache
+def _pallas_triton() -> bool:
+    """Whether this JAX has Pallas's Triton backend. jax 0.11 deprecates it (for Mosaic GPU): without it, decode
+    forwards keep XLA's attention."""
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def takes(q, keys, softcap: float | None) -> bool:
+    """Whether a decode forward's attention of q [B, T, n_kv, groups, hd] over keys [B, n_kv, slots, hd] runs here:
+    bf16/fp16 on a GPU with Pallas's Triton backend (or interpreted()), a power-of-two head_dim of 16-256, rows
+    (T x groups) in whole blocks of 16, slots in whole splits, query heads per KV head a power of two up to 8 (the
+    combine's rows are whole tokens), and no logit softcap (no Gemma 3 or 4 has one)."""
+    _, tokens, kv_heads, groups, head_dim = q.shape
+    slots = keys.shape[2]
+    on_device = _interpret or (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+                               and _pallas_triton())
+    return (on_device and softcap is None and 16 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
+            and tokens * groups % BLOCK_M == 0 and slots % plan(slots, head_dim, kv_heads)["chunk"] == 0
+            and groups <= COMBINE_ROWS and groups & (groups - 1) == 0)
+
+
+def _partials_kernel(q_ref, k_ref, v_ref, stored_ref, low_ref, high_ref, acc_ref, top_ref, total_ref, *,
+                     scale: float, steps: int, block_s: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    query, low, high = q_ref[...], low_ref[...], high_ref[...]
+
+    def step(i, carry):
+        top, total, acc = carry
+        window = pl.ds(i * block_s, block_s)
+        keys, values, position = k_ref[window, :], v_ref[window, :], stored_ref[window]
+        allowed = (position[None, :] >= low[:, None]) & (position[None, :] <= high[:, None])
+        scores = jnp.where(allowed, plgpu.dot(query, keys, trans_b=True) * scale, -jnp.inf)
+        new_top = jnp.maximum(top, scores.max(axis=1))
+        shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # no slot yet: exp(-inf) = 0, not NaN
+        p = jnp.exp(scores - shift[:, None])
+        rescale = jnp.exp(top - shift)
+        acc = acc * rescale[:, None] + plgpu.dot(p.astype(values.dtype), values)
+        return new_top, total * rescale + p.sum(axis=1), acc
+
+    rows, d_block = acc_ref.shape
+    start = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+             jnp.zeros((rows, d_block), jnp.float32))
+    top, total, acc = jax.lax.fori_loop(0, steps, step, start)
+    acc_ref[...] = acc
+    top_ref[...] = top  # the same values from every program of the row block's value columns
+    total_ref[...] = total
+
+
+def partials(q, keys, values, stored, low, high, scale: float):
+    """The splits' float32 partials (acc [B, n_kv, splits, rows, hd], top and total [B, n_kv, splits, rows]) of q
+    [B, n_kv, rows, hd] over keys and values [B, n_kv, slots, hd], the position each slot holds [B, slots] and each
+    row's lowest and highest attended position [B, rows]."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    B, heads, rows, head_dim = q.shape
+    config = plan(keys.shape[2], head_dim, heads)
+    chunk, d_block = config["chunk"], config["D_BLOCK"]
+    d_blocks, splits = head_dim // d_block, config["splits"]
+
+    def head(p):  # program p: (batch, KV head, value columns)
+        return p // (heads * d_blocks), p // d_blocks % heads
+
+    kernel = functools.partial(_partials_kernel, scale=scale, steps=chunk // config["BLOCK_S"],
+                               block_s=config["BLOCK_S"])
+    partial_shape = (B, heads, splits, rows)
+    return pl.pallas_call(
+        kernel,
+        grid=(B * heads * d_blocks, rows // BLOCK_M, splits),
+        in_specs=[
+            pl.BlockSpec((None, None, BLOCK_M, head_dim), lambda p, r, s: (*head(p), r, 0)),
+            pl.BlockSpec((None, None, chunk, head_dim), lambda p, r, s: (*head(p), s, 0)),
+            pl.BlockSpec((None, None, chunk, d_block), lambda p, r, s: (*head(p), s, p % d_blocks)),
+            pl.BlockSpec((None, chunk), lambda p, r, s: (head(p)[0], s)),
+            pl.BlockSpec((None, BLOCK_M), lambda p, r, s: (head(p)[0], r)),
+            pl.BlockSpec((None, BLOCK_M), lambda p, r, s: (head(p)[0], r)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, BLOCK_M, d_block), lambda p, r, s: (*head(p), s, r, p % d_blocks)),
+            pl.BlockSpec((None, None, None, BLOCK_M), lambda p, r, s: (*head(p), s, r)),
+            pl.BlockSpec((None, None, None, BLOCK_M), lambda p, r, s: (*head(p), s, r)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct(partial_shape, jnp.float32), jax.ShapeDtypeStruct(partial_shape, jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=2),
+        interpret=_interpret,
+        name="decode_attention_partials",
+    )(q, keys, values, stored, low, high)
+
+
+COMBINE_ROWS, COMBINE_COLUMNS = 8, 32  # a combine program's query rows and value columns, as torch's combine kernel
+
+
+def _combine_kernel(acc_ref, top_ref, total_ref, out_ref, *, splits: int):
+    tops = [top_ref[s] for s in range(splits)]
+    best = functools.reduce(jnp.maximum, tops)  # finite: every row attends to its own slot
+    out = norm = 0.0
+    for s in range(splits):  # one by one, in split order
+        weight = jnp.exp(tops[s] - best)
+        out, norm = out + acc_ref[s] * weight[..., None], norm + total_ref[s] * weight
+    out_ref[...] = (out / norm[..., None]).astype(out_ref.dtype)
+
+
+def combine(acc, top, total, dtype):
+    """The splits' partials (acc [B, n_kv, splits, T, groups, hd], top and total [B, n_kv, splits, T, groups]) ->
+    [B, T, n_kv, groups, hd] in `dtype`, the layout o_proj reads, in one kernel."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    B, heads, splits, T, groups, head_dim = acc.shape
+    tokens, columns = COMBINE_ROWS // groups, min(COMBINE_COLUMNS, head_dim)
+    d_blocks = head_dim // columns
+
+    def head(p):  # program p: (batch, KV head, value columns)
+        return p // (heads * d_blocks), p // d_blocks % heads
+
+    partial_spec = pl.BlockSpec((None, None, splits, tokens, groups), lambda p, t: (*head(p), 0, t, 0))
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, splits=splits),
+        grid=(B * heads * d_blocks, T // tokens),
+        in_specs=[pl.BlockSpec((None, None, splits, tokens, groups, columns),
+                               lambda p, t: (*head(p), 0, t, 0, p % d_blocks)), partial_spec, partial_spec],
+        out_specs=pl.BlockSpec((None, tokens, None, groups, columns),
+                               lambda p, t: (head(p)[0], t, head(p)[1], 0, p % d_blocks)),
+        out_shape=jax.ShapeDtypeStruct((B, T, heads, groups, head_dim), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=_interpret,
+        name="decode_attention_combine",
+    )(acc, top, total)
+
+
+def attend(q, keys, values, stored, lowest, highest, scale: float):
+    """softmax(q keys^T * scale over the slots whose positions lie in lowest..highest of the row's token) values:
+    q [B, T, n_kv, groups, hd], keys and values [B, n_kv, slots, hd], the position each slot holds [B, slots], the
+    lowest and highest position each token attends [B, T]. -> [B, T, n_kv, groups, hd] in q's dtype."""
+    B, T, heads, groups, head_dim = q.shape
+    rows = q.transpose(0, 2, 1, 3, 4).reshape(B, heads, T * groups, head_dim)  # by token, then query head
+    low, high = (jnp.repeat(bound.astype(jnp.int32), groups, axis=1) for bound in (lowest, highest))
+    acc, top, total = partials(rows, keys, values, stored.astype(jnp.int32), low, high, scale)
+    splits = top.shape[2]
+    return combine(acc.reshape(B, heads, splits, T, groups, head_dim), top.reshape(B, heads, splits, T, groups),
+                   total.reshape(B, heads, splits, T, groups), q.dtype)
