@@ -2,6 +2,8 @@
 independent of the others; the JAX engine with it, whose greedy speculative output is the plain decode's and whose
 plain decode is the XLA attention's; on a GPU, the compiled kernel in bf16 against float64."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +50,14 @@ def float64_attention(q, keys, values, stored, lowest, highest, scale):
     return np.einsum("btkgs,bksd->btkgd", probs / probs.sum(-1, keepdims=True), values)
 
 
+@contextlib.contextmanager
+def in_float32(interpreted: bool = True):
+    """float32 products in float32 (JAX's default on GPUs is TF32), and the kernels through Pallas's interpreter."""
+    with jax.default_matmul_precision("highest"), \
+            jax_decode_attention.interpreted() if interpreted else contextlib.nullcontext():
+        yield
+
+
 def attend(*args):
     return jax.jit(lambda *a: jax_decode_attention.attend(*a, 0.0625))(*args)
 
@@ -55,7 +65,7 @@ def attend(*args):
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_the_kernel_against_float64(name):
     args = case(SHAPES[name], seed=1, dtype=jnp.float32)
-    with jax_decode_attention.interpreted():
+    with in_float32():
         assert jax_decode_attention.takes(args[0], args[1], None)
         out = attend(*args)
     assert out.shape == args[0].shape and out.dtype == jnp.float32
@@ -65,7 +75,7 @@ def test_the_kernel_against_float64(name):
 def test_a_rows_output_depends_on_its_own_query_alone():
     q, *rest = case(SHAPES["random test model"], seed=2, dtype=jnp.float32)
     other = q.at[:, 1:].set(-q[:, 1:])  # every token but the first changed
-    with jax_decode_attention.interpreted():
+    with in_float32():
         first, again = attend(q, *rest), attend(other, *rest)
     assert np.array_equal(np.asarray(first[:, 0]), np.asarray(again[:, 0]))
     assert not np.array_equal(np.asarray(first[:, 1]), np.asarray(again[:, 1]))
@@ -112,10 +122,11 @@ def test_the_engine_with_the_kernel_decodes_what_it_decodes_without(random_check
     decoding inside the fused loop emits exactly the plain decode's. gemma4_dense's globals are k_eq_v, whose keys
     the layer rebuilds before the kernel reads them."""
     path = random_checkpoints[variant]
-    reference = JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX).generate(
-        PROMPT, NEW_TOKENS)
+    with in_float32(interpreted=False):
+        reference = JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX).generate(
+            PROMPT, NEW_TOKENS)
     assert not kernel_calls
-    with jax_decode_attention.interpreted():
+    with in_float32():
         plain, speculative = plain_and_speculative(
             JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX))
     assert {slots for _, _, slots, _ in kernel_calls} == {64, 128}  # the sliding ring and the full cache
