@@ -29,6 +29,14 @@ def sha(tokens):
     return hashlib.sha256(str(list(tokens)).encode()).hexdigest()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def float32_products():
+    """float32 products in float32 on GPUs too (JAX's default there is TF32), as on the CPU: the torch engine that
+    test_matches_torch_engine compares with computes them so."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @pytest.fixture(scope="module")
 def engine(random_checkpoints):
     return JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=1024, k_max=K_MAX)
