@@ -233,20 +233,20 @@ def _chunk_context(cfg: GemmaConfig, positions, cache: Cache, dtype, commit_firs
         if any(s.k_eq_v and s.kind == kind for s in cfg.layers):
             cos, sin = _rope_cos_sin(inv_freq, jnp.maximum(stored, 0), dtype)
             ctx["cached_cos"][kind], ctx["cached_sin"][kind] = cos[:, None], sin[:, None]  # [B, 1, S, hd]
+        window = cfg.sliding_window if kind == SLIDING else None
         if commit_first:
-            window = cfg.sliding_window if kind == SLIDING else 0
-            # the lowest and highest stored position each row attends (jax_decode_attention reads them)
-            ctx["attended"][kind] = (jnp.maximum(positions - window + 1, 0) if window else jnp.zeros_like(positions),
-                                     positions)
-            cache_mask = (stored[:, None, :] >= 0) & (stored[:, None, :] <= positions[:, :, None])  # [B, T, S]
+            # The lowest and highest stored position each row attends: the mask's bounds, which jax_decode_attention
+            # reads too. Empty slots hold -1.
+            lowest = jnp.zeros_like(positions) if window is None else jnp.maximum(positions - window + 1, 0)
+            ctx["attended"][kind] = (lowest, positions)
+            cache_mask = (stored[:, None, :] >= lowest[:, :, None]) & (stored[:, None, :] <= positions[:, :, None])
         else:
             visible = (stored >= 0) & (stored < start)
-            cache_mask = jnp.broadcast_to(visible[:, None, :], (B, T, stored.shape[1]))
-        chunk_mask = jnp.broadcast_to(causal[None], (B, T, T))
-        if kind == SLIDING:
-            window = cfg.sliding_window
-            cache_mask = cache_mask & (stored[:, None, :] > positions[:, :, None] - window)
-            chunk_mask = chunk_mask & (positions[:, None, :] > positions[:, :, None] - window)
+            cache_mask = jnp.broadcast_to(visible[:, None, :], (B, T, stored.shape[1]))  # [B, T, S]
+            chunk_mask = jnp.broadcast_to(causal[None], (B, T, T))
+            if window is not None:
+                cache_mask = cache_mask & (stored[:, None, :] > positions[:, :, None] - window)
+                chunk_mask = chunk_mask & (positions[:, None, :] > positions[:, :, None] - window)
         mask = cache_mask if commit_first else jnp.concatenate([cache_mask, chunk_mask], axis=-1)
         ctx["mask"][kind] = mask[:, None, :, None]  # [B, 1, T, 1, S (+T)]
     return ctx
