@@ -1,6 +1,6 @@
-"""jax_decode_attention: the Pallas kernel, run by Pallas's interpreter on the CPU, against float64 and a row
-independent of the others; the JAX engine with it, whose greedy speculative output is the plain decode's and whose
-plain decode is the XLA attention's; on a GPU, the compiled kernel in bf16 against float64."""
+"""jax_decode_attention: the Pallas kernels, run by Pallas's interpreter on the CPU, against float64 and a row
+independent of the others; the JAX engine with them, whose greedy speculative output is the plain decode's and whose
+plain decode is the XLA attention's; on a GPU, the compiled kernels in bf16 against float64, and in the engine."""
 
 import contextlib
 
