@@ -89,6 +89,11 @@ def _partials_kernel(q_ref, k_ref, v_ref, stored_ref, low_ref, high_ref, acc_ref
     total_ref[...] = total
 
 
+def _batch_and_head(program, heads: int, d_blocks: int):
+    """A program's batch row and KV head: programs along the grid's first axis run (batch, KV head, value columns)."""
+    return program // (heads * d_blocks), program // d_blocks % heads
+
+
 def partials(q, keys, values, stored, low, high, scale: float):
     """The splits' float32 partials (acc [B, n_kv, splits, rows, hd], top and total [B, n_kv, splits, rows]) of q
     [B, n_kv, rows, hd] over keys and values [B, n_kv, slots, hd], the position each slot holds [B, slots] and each
@@ -101,9 +106,7 @@ def partials(q, keys, values, stored, low, high, scale: float):
     chunk, d_block = config["chunk"], config["D_BLOCK"]
     d_blocks, splits = head_dim // d_block, config["splits"]
 
-    def head(p):  # program p: (batch, KV head, value columns)
-        return p // (heads * d_blocks), p // d_blocks % heads
-
+    head = functools.partial(_batch_and_head, heads=heads, d_blocks=d_blocks)
     kernel = functools.partial(_partials_kernel, scale=scale, steps=chunk // config["BLOCK_S"],
                                block_s=config["BLOCK_S"])
     partial_shape = (B, heads, splits, rows)
@@ -154,9 +157,7 @@ def combine(acc, top, total, dtype):
     tokens, columns = COMBINE_ROWS // groups, min(COMBINE_COLUMNS, head_dim)
     d_blocks = head_dim // columns
 
-    def head(p):  # program p: (batch, KV head, value columns)
-        return p // (heads * d_blocks), p // d_blocks % heads
-
+    head = functools.partial(_batch_and_head, heads=heads, d_blocks=d_blocks)
     partial_spec = pl.BlockSpec((None, None, splits, tokens, groups), lambda p, t: (*head(p), 0, t, 0))
     return pl.pallas_call(
         functools.partial(_combine_kernel, splits=splits),
@@ -178,8 +179,8 @@ def attend(q, keys, values, stored, lowest, highest, scale: float):
     lowest and highest position each token attends [B, T]. -> [B, T, n_kv, groups, hd] in q's dtype."""
     B, T, heads, groups, head_dim = q.shape
     rows = q.transpose(0, 2, 1, 3, 4).reshape(B, heads, T * groups, head_dim)  # by token, then query head
-    low, high = (jnp.repeat(bound.astype(jnp.int32), groups, axis=1) for bound in (lowest, highest))
-    acc, top, total = partials(rows, keys, values, stored.astype(jnp.int32), low, high, scale)
+    low, high = (jnp.repeat(bound, groups, axis=1) for bound in (lowest, highest))  # a bound a row
+    acc, top, total = partials(rows, keys, values, stored, low, high, scale)
     splits = top.shape[2]
     return combine(acc.reshape(B, heads, splits, T, groups, head_dim), top.reshape(B, heads, splits, T, groups),
                    total.reshape(B, heads, splits, T, groups), q.dtype)
