@@ -114,20 +114,22 @@ def step_bytes(cfg, itemsize: int, context: int) -> dict[str, int]:
     return {"weights": weights * itemsize, "kv_cache": kv * itemsize, "total": (weights + kv) * itemsize}
 
 
-def seconds_per_step(cycle, prompt: list[int], steps: int, warm_up: int) -> float:
-    """Wall seconds per plain decode step of a cycle (one token each), over `steps` after `warm_up` (a JAX
-    cycle runs 8 steps per call, so a step's own time is the mean over many)."""
+def seconds_per_step(cycle, prompt: list[int], steps: int, warm_up: int) -> tuple[float, float]:
+    """Wall seconds per plain decode step of a cycle (one token each), over `steps` after `warm_up`: the mean
+    (what throughput is) and the median step (a torch cycle is one step a call; a JAX cycle runs 8 steps per
+    call, so its median is a host read and only the mean is its step's time)."""
     from specdec.generate import StopCondition
 
     cycle.start([prompt], StopCondition(10**6))
     for _ in range(cycle.decode_cycles_in_start + warm_up):  # the timed steps start at a call's first cycle
         cycle.step()
-    start = time.perf_counter()
+    stamps = [time.perf_counter()]
     for _ in range(steps):
         cycle.step()
-    seconds = (time.perf_counter() - start) / steps
+        stamps.append(time.perf_counter())
     cycle.drain()
-    return seconds
+    each = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    return (stamps[-1] - stamps[0]) / steps, each[steps // 2]
 
 
 def greedy_tokens(cycle, prompt: list[int], count: int) -> list[int]:
@@ -150,17 +152,17 @@ def median_seconds(call, reps: int) -> float:
 
 
 def time_plain_decode(new_cycle, prompt: list[int], args, first_steps: int, warm_up: int,
-                      first_run: str) -> tuple[float, list[int]]:
-    """Seconds per plain decode step over --steps and the first --tokens greedy tokens, each on a fresh cycle of
-    `new_cycle`, after a first run that compiles (its time logged as `first_run`)."""
+                      first_run: str) -> tuple[float, float, list[int]]:
+    """Mean and median seconds per plain decode step over --steps and the first --tokens greedy tokens, each on a
+    fresh cycle of `new_cycle`, after a first run that compiles (its time logged as `first_run`)."""
     start = time.perf_counter()
     seconds_per_step(new_cycle(), prompt, first_steps, warm_up)
     log(f"  {first_run} in {time.perf_counter() - start:.1f} s")
-    step = seconds_per_step(new_cycle(), prompt, args.steps, warm_up)
-    log(f"  {args.steps} steps timed: {1e3 * step:.3f} ms a step")
+    step, median = seconds_per_step(new_cycle(), prompt, args.steps, warm_up)
+    log(f"  {args.steps} steps timed: {1e3 * step:.3f} ms a step (median {1e3 * median:.3f})")
     tokens = greedy_tokens(new_cycle(), prompt, args.tokens)
     log(f"  {len(tokens)} greedy tokens decoded")
-    return step, tokens
+    return step, median, tokens
 
 
 def logits_digest(engine, prompt: list[int]) -> str:
@@ -220,7 +222,7 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         model = GemmaModel.random(cfg, dtype, device, args.context, tp_group=group, tp_parts=args.tp_parts)
     engine = TorchEngine(model, max_seq_len=args.context, k_max=K_MAX, compile=cuda and args.torch_compile)
     with torch.inference_mode():
-        step, tokens = time_plain_decode(lambda: FusedCycle(engine, None, 0), prompt, args, 8, 3,
+        step, median, tokens = time_plain_decode(lambda: FusedCycle(engine, None, 0), prompt, args, 8, 3,
                                          "compiled and captured")
         digest = logits_digest(engine, prompt)
         log(f"  logits digest {digest}")
@@ -245,7 +247,8 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         bandwidth = 2 * x.numel() * 10 / (begin.elapsed_time(end) / 1e3)
     if rank > 0:
         return None
-    return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": dtype.itemsize,
+    return {"step_s": step, "step_median_s": median, "copy_bandwidth": bandwidth, "width": engine.width,
+            "itemsize": dtype.itemsize,
             "device": torch.cuda.get_device_name() if cuda else "cpu", "version": torch.__version__,
             "compiled": cuda and args.torch_compile, "tokens": tokens, "logits_digest": digest, "verify_ms": verify_ms}
 
@@ -270,7 +273,7 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
         params = random_params(cfg, jax.random.key(0), dtype, pack=pack, place=None if pack else jax.device_get)
     engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=K_MAX, **split)
     del params  # a mesh's shards are copies: one model's weights held, not two
-    step, tokens = time_plain_decode(lambda: JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")
+    step, median, tokens = time_plain_decode(lambda: JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")
     digest = logits_digest(engine, prompt)
 
     def verify_s(width: int) -> float:
@@ -292,7 +295,8 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
         y.block_until_ready()
         bandwidth = 2 * x.nbytes * 10 / (time.perf_counter() - begin)
     device = jax.devices()[0]
-    return {"step_s": step, "copy_bandwidth": bandwidth, "width": engine.width, "itemsize": jnp.dtype(dtype).itemsize,
+    return {"step_s": step, "step_median_s": median, "copy_bandwidth": bandwidth, "width": engine.width,
+            "itemsize": jnp.dtype(dtype).itemsize,
             "device": device.device_kind, "version": jax.__version__, "compiled": True, "tokens": tokens,
             "logits_digest": digest, "verify_ms": verify_ms}
 
