@@ -1,8 +1,8 @@
 """A torch cycle graph's replay slows after an unrelated CUDA graph capture (issue 11, open): the 270M's plain
 FusedCycle graph timed alone, after a sync + empty_cache, after capturing a four-element graph, and a cycle captured
 after that. On an H100 the first two ran 0.570 ms and the last two 0.62: the same kernels, each as long, overlapping
-less under programmatic dependent launch (with inductor's PDL off, all four ran 0.714). Other runs of the same
-sequence did not slow at all, and a process can also start slow (docs/benchmarks.md).
+less under programmatic dependent launch (with inductor's PDL off, all four ran 0.714). On one fresh machine other
+triggers did not slow it (docs/benchmarks.md); this one has, every time it was tried.
 
     python scripts/pdl_state_probe.py --config 270m/config.json --out pdl-state.json
 """
