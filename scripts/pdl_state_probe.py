@@ -1,10 +1,14 @@
-"""A torch cycle graph's replay slows after an unrelated CUDA graph capture (issue 11, open): the 270M's plain
-FusedCycle graph timed alone, after a sync + empty_cache, after capturing a four-element graph, and a cycle captured
-after that. On an H100 the first two ran 0.570 ms and the last two 0.62: the same kernels, each as long, overlapping
-less under programmatic dependent launch (with inductor's PDL off, all four ran 0.714). On one fresh machine other
-triggers did not slow it (docs/benchmarks.md); this one has, every time it was tried.
+"""A torch cycle graph's replay slows after an unrelated CUDA graph capture (issue 11, open). The 270M's plain
+FusedCycle graph is timed alone, twice more after a sync and empty_cache, then after a trigger, then a cycle captured
+after that. Run one trigger a process: the state, once slowed, stays for the process.
 
-    python scripts/pdl_state_probe.py --config 270m/config.json --out pdl-state.json
+On an H100 the `tiny-graph` trigger (a four-element graph captured after the cycle's) took the cycle from 0.567 to
+0.621 ms, and the cycle captured after it ran 0.619. The kernels are the same and each as long; they overlap less
+under programmatic dependent launch (with inductor's PDL off, the cycle ran 0.714 before and after). On one fresh
+machine other triggers (a second cycle, the profiler, the engine's verify graph) did not slow it, where on others
+they had (docs/benchmarks.md). The tiny graph has slowed it every time it was tried.
+
+    python scripts/pdl_state_probe.py --config 270m/config.json --trigger tiny-graph --out pdl-state.json
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +29,38 @@ from specdec.roofline import seconds_per_step
 from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
-from profile_cycle import gpu_ms  # noqa: E402
+from profile_cycle import gpu_ms, kernels  # noqa: E402
+
+
+def capture_tiny(warm: bool = False, mode: str = "global") -> torch.cuda.CUDAGraph:
+    """A graph of two aten kernels (fill and mul) on four elements, their first launch inside the capture unless
+    `warm`."""
+    if warm:
+        torch.ones(4, device="cuda").mul_(2)
+        torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=mode):
+        torch.ones(4, device="cuda").mul_(2)
+    return graph
+
+
+def capture_pdl_kernel() -> torch.cuda.CUDAGraph:
+    """A graph of one inductor kernel, launched under PDL as the engine's are."""
+    double = torch.compile(lambda x: x * 2 + 1)
+    x = torch.ones(4, device="cuda")
+    double(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        double(x)
+    return graph
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, required=True, help="a config.json: random weights at its shapes")
+    parser.add_argument("--trigger", default="tiny-graph",
+                        choices=["none", "host-empty-cache", "tiny-graph", "tiny-graph-warm", "tiny-graph-relaxed",
+                                 "pdl-kernel-graph", "second-cycle", "profiler"])
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("pdl-state.json"))
     args = parser.parse_args()
@@ -49,22 +80,31 @@ def main() -> None:
     def timed(label: str, cycle: FusedCycle) -> None:
         cycle.start([prompt])  # the same positions for every row
         rows.append({"when": label, "gpu_ms": gpu_ms(cycle._graphs[None][0].replay, args.reps)})
-        print(f"{label:45s} {rows[-1]['gpu_ms']:.3f} ms", flush=True)
+        print(f"{args.trigger:18s} {label:40s} {rows[-1]['gpu_ms']:.3f} ms", flush=True)
 
     with torch.inference_mode():
         first = new_cycle()
         timed("the first cycle", first)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        timed("after a sync and empty_cache", first)
-        tiny = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(tiny):
-            torch.ones(4, device="cuda").mul_(2)
-        timed("after capturing a four-element graph", first)
+        time.sleep(2)  # a trigger that takes time is not told from time passing
+        timed("after a sync, empty_cache and 2 s", first)
+        kept = {  # what the trigger made stays alive until the end
+            "none": lambda: None,
+            "host-empty-cache": torch._C._host_emptyCache,  # what torch.cuda.graph's __enter__ calls
+            "tiny-graph": capture_tiny,
+            "tiny-graph-warm": lambda: capture_tiny(warm=True),
+            "tiny-graph-relaxed": lambda: capture_tiny(mode="relaxed"),
+            "pdl-kernel-graph": capture_pdl_kernel,
+            "second-cycle": new_cycle,
+            "profiler": lambda: kernels(first._graphs[None][0].replay, 5),
+        }[args.trigger]()
+        timed(f"after the trigger ({args.trigger})", first)
         timed("a cycle captured after that", new_cycle())
+        del kept
     record = {"benchmark": "pdl_state_probe", "date": now_utc(), "commit": git_commit(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": str(args.config),
-              "rows": rows}
+              "trigger": args.trigger, "rows": rows}
     args.out.write_text(json.dumps(record, indent=1))
 
 
