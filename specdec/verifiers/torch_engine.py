@@ -73,10 +73,10 @@ def _configure_compile(model: GemmaModel | None = None) -> None:
         config.realize_reads_threshold = max(config.realize_reads_threshold, 2 * skinny_gemm.MAX_SPLITS)
     # Combo kernels: inductor launches independent kernels as one (horizontal fusion). A decode layer's q
     # epilogue and its k/v epilogue with the cache write read the same products and nothing of each other: one
-    # launch where there were two. Its block sizes are chosen per compiled graph, as any kernel's are, so a row's
-    # bits still do not depend on the forward's width (the GPU row-invariance tests pass with it). On an H100 the
-    # 270M's cycle ran 191 kernels in 0.565 ms of GPU time where it ran 215 in 0.589 (docs/benchmarks.md, issue
-    # 11). Triton's alone (GPUs).
+    # launch where there were two. Its block sizes are chosen per compiled graph, and every decode forward runs at
+    # the engine's one width, so a row's bits still do not depend on how many tokens a forward verifies (the GPU
+    # row-invariance tests pass with it). On an H100 the 270M's cycle ran 191 kernels in 0.565 ms of GPU time where
+    # it ran 215 in 0.589 (docs/benchmarks.md, issue 11). Triton's alone (GPUs).
     if torch.cuda.is_available() and hasattr(config, "combo_kernels"):
         config.combo_kernels = True
     if model is not None and model.tp_parts is not None:
