@@ -87,6 +87,11 @@ def _configure_compile(model: GemmaModel | None = None) -> None:
         config.emulate_precision_casts = True
         if hasattr(config, "deterministic"):  # nor reduction configurations chosen by timing (they set the order)
             config.deterministic = True
+        # Nor combined kernels, which share block sizes across what they combine: which kernels meet depends on
+        # where collectives cut the program, so a reduction's layout could differ between device counts. Parts
+        # were checked on two GPUs without them.
+        if hasattr(config, "combo_kernels"):
+            config.combo_kernels = False
 
 
 def wide_persistent_reductions():
