@@ -71,14 +71,6 @@ def _configure_compile(model: GemmaModel | None = None) -> None:
     # Where the kernel does not run, inductor's own threshold stays.
     if skinny_gemm.available():
         config.realize_reads_threshold = max(config.realize_reads_threshold, 2 * skinny_gemm.MAX_SPLITS)
-    # Combo kernels: inductor launches independent kernels as one (horizontal fusion). A decode layer's q
-    # epilogue and its k/v epilogue with the cache write read the same products and nothing of each other: one
-    # launch where there were two. Its block sizes are chosen per compiled graph, and every decode forward runs at
-    # the engine's one width, so a row's bits still do not depend on how many tokens a forward verifies (the GPU
-    # row-invariance tests pass with it). On an H100 the 270M's cycle ran 191 kernels in 0.565 ms of GPU time where
-    # it ran 215 in 0.589 (docs/benchmarks.md, issue 11). Triton's alone (GPUs).
-    if torch.cuda.is_available() and hasattr(config, "combo_kernels"):
-        config.combo_kernels = True
     if model is not None and model.tp_parts is not None:
         # Parts promise the same bits on every device count, whose programs inductor fuses differently (a
         # collective ends a fused kernel). Fused, inductor drops the rounding of a bf16 result that the next
@@ -87,11 +79,18 @@ def _configure_compile(model: GemmaModel | None = None) -> None:
         config.emulate_precision_casts = True
         if hasattr(config, "deterministic"):  # nor reduction configurations chosen by timing (they set the order)
             config.deterministic = True
-        # Nor combined kernels, which share block sizes across what they combine: which kernels meet depends on
-        # where collectives cut the program, so a reduction's layout could differ between device counts. Parts
-        # were checked on two GPUs without them.
-        if hasattr(config, "combo_kernels"):
-            config.combo_kernels = False
+    # Combo kernels: inductor launches independent kernels as one (horizontal fusion). A decode layer's q
+    # epilogue and its k/v epilogue with the cache write read the same products and nothing of each other: one
+    # launch where there were two. Its block sizes are chosen per compiled graph, and every decode forward runs at
+    # the engine's one width, so a row's bits still do not depend on how many tokens a forward verifies (the GPU
+    # row-invariance tests pass with it). On an H100 the 270M's cycle ran 191 kernels in 0.565 ms of GPU time where
+    # it ran 215 in 0.589 (docs/benchmarks.md, issue 11). Triton's alone (GPUs). Not in a process that holds
+    # tensor-parallel parts (emulate_precision_casts, set above, stays set for it, as later calls without a model,
+    # `compiled`'s, must not switch them back on): a combined kernel shares block sizes across what it combines,
+    # and which kernels meet depends on where collectives cut the program, so a reduction's layout could differ
+    # between device counts. Parts were checked on two GPUs without them.
+    if torch.cuda.is_available() and hasattr(config, "combo_kernels"):
+        config.combo_kernels = not config.emulate_precision_casts
 
 
 def wide_persistent_reductions():

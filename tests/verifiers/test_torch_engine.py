@@ -215,3 +215,26 @@ def test_wide_persistent_reductions_hold_after_an_earlier_compilation():
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")  # a cache hit would lower nothing
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_combo_kernels_stay_off_in_a_process_that_holds_parts(monkeypatch):
+    """Combo kernels on GPUs, but never once a model in parts is configured: later calls without a model (each
+    compiled cycle piece's) must not switch them back on before the parts' forward compiles."""
+    from types import SimpleNamespace
+
+    from torch._inductor import config
+
+    from specdec.models import skinny_gemm
+    from specdec.verifiers.torch_engine import _configure_compile
+
+    if not hasattr(config, "combo_kernels"):
+        pytest.skip("this torch's inductor has no combo kernels")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU as far as this setting asks
+    monkeypatch.setattr(skinny_gemm, "available", lambda: False)  # which would ask the device's capability
+    with config.patch(combo_kernels=False, emulate_precision_casts=False):
+        _configure_compile()
+        assert config.combo_kernels
+        _configure_compile(SimpleNamespace(tp_parts=2))
+        assert not config.combo_kernels
+        _configure_compile()
+        assert not config.combo_kernels
