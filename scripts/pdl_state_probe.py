@@ -14,6 +14,7 @@ they had (docs/benchmarks.md). The tiny graph has slowed it every time it was tr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -26,7 +27,7 @@ from specdec.evidence import git_commit, now_utc
 from specdec.models.config import GemmaConfig
 from specdec.models.torch_gemma import GemmaModel
 from specdec.roofline import seconds_per_step
-from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
+from specdec.verifiers.torch_engine import FusedCycle, TorchEngine, capture_graph
 
 sys.path.insert(0, str(Path(__file__).parent))
 from profile_cycle import gpu_ms, kernels  # noqa: E402
@@ -59,8 +60,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, required=True, help="a config.json: random weights at its shapes")
     parser.add_argument("--trigger", default="tiny-graph",
-                        choices=["none", "host-empty-cache", "tiny-graph", "tiny-graph-warm", "tiny-graph-relaxed",
-                                 "pdl-kernel-graph", "second-cycle", "profiler"])
+                        choices=["none", "host-empty-cache", "gc-collect", "tiny-graph", "tiny-graph-warm",
+                                 "tiny-graph-relaxed", "tiny-capture-graph", "pdl-kernel-graph", "second-cycle",
+                                 "profiler"])
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("pdl-state.json"))
     args = parser.parse_args()
@@ -92,9 +94,13 @@ def main() -> None:
         kept = {  # what the trigger made stays alive until the end
             "none": lambda: None,
             "host-empty-cache": torch._C._host_emptyCache,  # what torch.cuda.graph's __enter__ calls
+            "gc-collect": gc.collect,  # so may torch.cuda.graph's __enter__
             "tiny-graph": capture_tiny,
             "tiny-graph-warm": lambda: capture_tiny(warm=True),
             "tiny-graph-relaxed": lambda: capture_tiny(mode="relaxed"),
+            # the engine's way: warmed up on a side stream, captured into a shared pool
+            "tiny-capture-graph": lambda: capture_graph(lambda: torch.ones(4, device="cuda").mul_(2),
+                                                        pool=torch.cuda.graph_pool_handle()),
             "pdl-kernel-graph": capture_pdl_kernel,
             "second-cycle": new_cycle,
             "profiler": lambda: kernels(first._graphs[None][0].replay, 5),
