@@ -151,16 +151,18 @@ def median_seconds(call, reps: int) -> float:
     return sorted(times)[reps // 2]
 
 
-def time_plain_decode(new_cycle, prompt: list[int], args, first_steps: int, warm_up: int,
+def time_plain_decode(cycle, prompt: list[int], args, first_steps: int, warm_up: int,
                       first_run: str) -> tuple[float, float, list[int]]:
-    """Mean and median seconds per plain decode step over --steps and the first --tokens greedy tokens, each on a
-    fresh cycle of `new_cycle`, after a first run that compiles (its time logged as `first_run`)."""
+    """Mean and median seconds per plain decode step over --steps and the first --tokens greedy tokens, all on
+    one cycle, after a first run that compiles (its time logged as `first_run`). One cycle, as a user's process
+    runs one: on H100 and H200 a torch cycle graph captured after another sometimes replayed 10% slower for the
+    rest of the process (docs/benchmarks.md), and a timed cycle of its own made the step a graph captured second."""
     start = time.perf_counter()
-    seconds_per_step(new_cycle(), prompt, first_steps, warm_up)
+    seconds_per_step(cycle, prompt, first_steps, warm_up)
     log(f"  {first_run} in {time.perf_counter() - start:.1f} s")
-    step, median = seconds_per_step(new_cycle(), prompt, args.steps, warm_up)
+    step, median = seconds_per_step(cycle, prompt, args.steps, warm_up)
     log(f"  {args.steps} steps timed: {1e3 * step:.3f} ms a step (median {1e3 * median:.3f})")
-    tokens = greedy_tokens(new_cycle(), prompt, args.tokens)
+    tokens = greedy_tokens(cycle, prompt, args.tokens)
     log(f"  {len(tokens)} greedy tokens decoded")
     return step, median, tokens
 
@@ -222,8 +224,8 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
         model = GemmaModel.random(cfg, dtype, device, args.context, tp_group=group, tp_parts=args.tp_parts)
     engine = TorchEngine(model, max_seq_len=args.context, k_max=K_MAX, compile=cuda and args.torch_compile)
     with torch.inference_mode():
-        step, median, tokens = time_plain_decode(lambda: FusedCycle(engine, None, 0), prompt, args, 8, 3,
-                                         "compiled and captured")
+        step, median, tokens = time_plain_decode(FusedCycle(engine, None, 0), prompt, args, 8, 3,
+                                                 "compiled and captured")
         digest = logits_digest(engine, prompt)
         log(f"  logits digest {digest}")
 
@@ -273,7 +275,7 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
         params = random_params(cfg, jax.random.key(0), dtype, pack=pack, place=None if pack else jax.device_get)
     engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=K_MAX, **split)
     del params  # a mesh's shards are copies: one model's weights held, not two
-    step, median, tokens = time_plain_decode(lambda: JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")
+    step, median, tokens = time_plain_decode(JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")
     digest = logits_digest(engine, prompt)
 
     def verify_s(width: int) -> float:
