@@ -3,8 +3,7 @@
 Under programmatic dependent launch (PDL, Hopper on; torch_engine turns it on for inductor's kernels), a kernel
 is launched while the one before it still runs and waits in-kernel (`griddepcontrol.wait`) before it reads that
 kernel's output. A weight is no kernel's output: this kernel loads its tile of the weight first, then waits, then
-reads the rows of x, so the weight streams in while the previous kernel (a norm, the attention, the gate and up
-products) finishes. The 270M's
+reads the rows of x, so the weight streams in while the previous kernel (a norm, RoPE, the GELU) finishes. The 270M's
 layer products move 1-5 MB each and took 3.3 us as cuBLAS's batched GEMM, mostly latency (docs/benchmarks.md, issue
 11). cuBLAS's kernels are not launched that way.
 
@@ -42,53 +41,27 @@ def available() -> bool:
 def _kernel():
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 
     @triton.jit
-    def load_rows(x, w, m, k, mask, stride_xm, gate_split_stride, up_offset, GATE_SPLITS: tl.constexpr):
-        """The x tile at rows m and reduction elements k. With GATE_SPLITS, x holds the gate and up products'
-        slices (gated_split_products) and the tile is made from them, rounded to the weight's dtype where eager
-        rounds gelu_gate(sum_products(gate), sum_products(up))."""
-        at = x + m[:, None] * stride_xm + k[None, :]
-        if GATE_SPLITS == 0:
-            tile = tl.load(at, mask=mask, other=0.0)
-        else:
-            gate = tl.load(at, mask=mask, other=0.0)
-            up = tl.load(at + up_offset, mask=mask, other=0.0)
-            for s in tl.static_range(1, GATE_SPLITS):  # one by one, in slice order, as sum_products adds them
-                gate = gate + tl.load(at + s * gate_split_stride, mask=mask, other=0.0)
-                up = up + tl.load(at + s * gate_split_stride + up_offset, mask=mask, other=0.0)
-            dtype = w.dtype.element_ty
-            gate = gate.to(dtype).to(tl.float32)
-            # ATen's tanh GELU, op for op: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-            inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
-            gelu = (0.5 * gate * (1.0 + libdevice.tanh(inner))).to(dtype)
-            tile = (gelu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
-        return tile
-
-    @triton.jit
-    def split_products_kernel(x, w, out, rows, columns, part, stride_xm, stride_wn, stride_wk, gate_split_stride,
-                              up_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              STEPS: tl.constexpr, GATE_SPLITS: tl.constexpr):
+    def split_products_kernel(x, w, out, rows, columns, part, stride_xm, stride_wn, stride_wk,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              STEPS: tl.constexpr):
         block, split = tl.program_id(0), tl.program_id(1)
         m = tl.arange(0, BLOCK_M)
         n = block * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
         start = split * part
         w_tile = w + n[:, None] * stride_wn + (start + k)[None, :] * stride_wk
+        x_tile = x + m[:, None] * stride_xm + (start + k)[None, :]
         m_in, n_in = m[:, None] < rows, n[:, None] < columns
         weight = tl.load(w_tile, mask=n_in & (k[None, :] < part), other=0.0)
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output; the weight is nobody's
-        x_tile = load_rows(x, w, m, start + k, m_in & (k[None, :] < part), stride_xm, gate_split_stride, up_offset,
-                           GATE_SPLITS)
-        acc = tl.dot(x_tile, tl.trans(weight))
+        acc = tl.dot(tl.load(x_tile, mask=m_in & (k[None, :] < part), other=0.0), tl.trans(weight))
         for step in tl.static_range(1, STEPS):
             offset = step * BLOCK_K
             k_in = (offset + k)[None, :] < part
             weight = tl.load(w_tile + offset * stride_wk, mask=n_in & k_in, other=0.0)
-            x_tile = load_rows(x, w, m, start + offset + k, m_in & k_in, stride_xm, gate_split_stride, up_offset,
-                               GATE_SPLITS)
-            acc += tl.dot(x_tile, tl.trans(weight))
+            acc += tl.dot(tl.load(x_tile + offset, mask=m_in & k_in, other=0.0), tl.trans(weight))
         tl.extra.cuda.gdc_launch_dependents()
         tl.store(out + split * rows * columns + m[:, None] * columns + n[None, :], acc,
                  mask=(m[:, None] < rows) & (n[None, :] < columns))
@@ -132,18 +105,16 @@ def _processors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, splits: int, config: dict, out: torch.Tensor,
-           gate_splits: int = 0) -> None:
+def launch(x: torch.Tensor, weight: torch.Tensor, splits: int, config: dict, out: torch.Tensor) -> None:
     """The kernel over x [rows, reduction] and weight [columns, reduction] into out [splits, rows, columns], with
-    `config` as plan() gives it, launched under PDL. With `gate_splits`, x is instead the gate and up products'
-    slices [gate_splits, rows, 2 * reduction] (gated_split_products)."""
+    `config` as plan() gives it, launched under PDL."""
     import triton
 
-    rows, columns, reduction = x.shape[-2], weight.shape[0], weight.shape[1]
+    rows, reduction = x.shape
+    columns = weight.shape[0]
     grid = (triton.cdiv(columns, config["BLOCK_N"]), splits)
-    _kernel()[grid](x, weight, out, rows, columns, reduction // splits, x.stride(-2), weight.stride(0),
-                    weight.stride(1), x.stride(0) if gate_splits else 0, reduction if gate_splits else 0, **config,
-                    GATE_SPLITS=gate_splits, launch_pdl=True)
+    _kernel()[grid](x, weight, out, rows, columns, reduction // splits, x.stride(0), weight.stride(0),
+                    weight.stride(1), **config, launch_pdl=True)
 
 
 @torch.library.custom_op("specdec::split_products", mutates_args=())
@@ -161,22 +132,3 @@ def split_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.
 @split_products.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
     return x.new_empty(splits, x.shape[0], weight.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("specdec::gated_split_products", mutates_args=())
-def gated_split_products(gate_up: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
-    """A gated MLP's down products without the activation's own kernel: gate_up holds the gate and up products'
-    slices, split_products of x with the packed [gate; up] weight, [gate_splits, rows, 2 * intermediate] float32
-    (contiguous). Each program makes the rows of gelu_gate(gate, up) it multiplies as it loads them, which saves
-    a kernel and its launch a layer. -> split_products(gelu_gate(gate, up), weight, splits), bit for bit."""
-    gate_splits, rows, _ = gate_up.shape
-    columns, reduction = weight.shape
-    out = torch.empty(splits, rows, columns, device=gate_up.device, dtype=torch.float32)
-    config = plan(rows, columns, splits, reduction // splits, _processors(gate_up.device))
-    launch(gate_up, weight, splits, config, out, gate_splits=gate_splits)
-    return out
-
-
-@gated_split_products.register_fake
-def _(gate_up: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
-    return gate_up.new_empty(splits, gate_up.shape[1], weight.shape[0], dtype=torch.float32)

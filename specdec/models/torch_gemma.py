@@ -123,21 +123,6 @@ def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def gated_down(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(gelu_gate(gate(x), up(x))) for gate and up packed as gate_up [2 * intermediate, hidden], each product as
-    `linear` runs it, except where skinny_gemm takes both products of a compiled decode forward: there the down
-    products make gelu_gate's rows as they load them (skinny_gemm.gated_split_products), which saves the
-    activation's kernel and its launch a layer, with the same bits."""
-    rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
-    if (x.is_cuda and torch.compiler.is_compiling() and rows <= SPLIT_MAX_ROWS and skinny_gemm.takes(gate_up)
-            and skinny_gemm.takes(down)):
-        products = torch.ops.specdec.split_products(x.reshape(rows, hidden).contiguous(), gate_up,
-                                                    skinny_gemm.splits(hidden))
-        down_products = torch.ops.specdec.gated_split_products(products, down, skinny_gemm.splits(down.shape[1]))
-        return sum_products(down_products, x)
-    return linear(gelu_gate(*linear(x, gate_up).chunk(2, dim=-1)), down)
-
-
 def gelu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Gemma's gated MLP: down(gelu_tanh(gate(x)) * up(x)), weights in [out, in] layout."""
     return F.linear(gelu_gate(F.linear(x, gate), F.linear(x, up)), down)
@@ -272,8 +257,7 @@ class MLP(Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts is None:
-            gate_up = self.packed if self.packed is not None else torch.cat([lin.weight for lin in self.linears()])
-            return sum_across(gated_down(x, gate_up, self.down_proj.weight), self.tp_group)
+            return self.combine(gelu_gate(*self.project(x)), self.tp_group)
         return self.combine([gelu_gate(*self.project(x, part)) for part in range(self.parts)], self.tp_group)
 
 
