@@ -4,9 +4,11 @@ after that. Run one trigger a process: the state, once slowed, stays for the pro
 
 On an H100 the `tiny-graph` trigger (a four-element graph captured after the cycle's) took the cycle from 0.567 to
 0.621 ms, and the cycle captured after it ran 0.619. The kernels are the same and each as long; they overlap less
-under programmatic dependent launch (with inductor's PDL off, the cycle ran 0.714 before and after). On one fresh
-machine other triggers (a second cycle, the profiler, the engine's verify graph) did not slow it, where on others
-they had (docs/benchmarks.md). The tiny graph has slowed it every time it was tried.
+under programmatic dependent launch (with inductor's PDL off, the cycle ran 0.714 before and after). On an H200
+every small graph captured after the cycle's slowed it (0.526 -> 0.586 ms), in relaxed mode and through the engine's
+capture_graph too, except one whose kernels had run once eagerly, with a sync, before its capture (3 processes of 3,
+two machines). gc.collect, pinned memory's empty-cache, a second cycle and the profiler did not slow it there
+(docs/benchmarks.md).
 
     python scripts/pdl_state_probe.py --config 270m/config.json --trigger tiny-graph --out pdl-state.json
 """
