@@ -7,8 +7,8 @@ On an H100 the `tiny-graph` trigger (a four-element graph captured after the cyc
 under programmatic dependent launch (with inductor's PDL off, the cycle ran 0.714 before and after). On an H200
 every small graph captured after the cycle's slowed it (0.526 -> 0.586 ms), in relaxed mode and through the engine's
 capture_graph too, but for the tiny graph whose aten kernels had run once eagerly, with a sync, before its capture
-(3 processes of 3, two machines); the one inductor kernel's graph slowed it although that kernel had run eagerly. gc.collect, pinned memory's empty-cache, a second cycle and the profiler did not slow it there
-(docs/benchmarks.md).
+(3 processes of 3, two machines). The one inductor kernel's graph slowed it although that kernel had run eagerly.
+gc.collect, pinned memory's empty-cache, a second cycle and the profiler did not slow it there (docs/benchmarks.md).
 
     python scripts/pdl_state_probe.py --config 270m/config.json --trigger tiny-graph --out pdl-state.json
 """

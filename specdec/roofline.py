@@ -155,8 +155,8 @@ def time_plain_decode(cycle, prompt: list[int], args, first_steps: int, warm_up:
                       first_run: str) -> tuple[float, float, list[int]]:
     """Mean and median seconds per plain decode step over --steps and the first --tokens greedy tokens, all on
     one cycle, after a first run that compiles (its time logged as `first_run`). One cycle, as a user's process
-    runs one: on H100 and H200 a torch cycle graph captured after another sometimes replayed 10% slower for the
-    rest of the process (docs/benchmarks.md), and a timed cycle of its own made the step a graph captured second."""
+    runs one: after a later capture, a process's torch cycle graphs sometimes replay 10% slower for the rest of it
+    (H100 and H200, docs/benchmarks.md), and a fresh cycle to time would make the timed graph the second captured."""
     start = time.perf_counter()
     seconds_per_step(cycle, prompt, first_steps, warm_up)
     log(f"  {first_run} in {time.perf_counter() - start:.1f} s")
