@@ -118,13 +118,17 @@ def wide_persistent_reductions():
     return WidePersistentReductions()
 
 
-def compiled_forward(model: GemmaModel):
-    """The model's forward under torch.compile, compiled once per model and shared by its engines. Static
-    shapes first (an invariant engine runs one width); torch recompiles dynamic in T if widths vary."""
-    if getattr(model, "_compiled_forward", None) is None:
+def compiled_forward(model: GemmaModel, one_width: bool = True):
+    """The model's decode forward under torch.compile, compiled once per model and kind and shared by its engines.
+    `one_width` (an invariant engine's): static shapes, a program for the one width it runs. Left to dynamo, that
+    program came out dynamic in T wherever a compiled prefill (dynamic in the chunk's length, the same function)
+    had run first, as in every decode after a prompt of more than SPLIT_MAX_ROWS tokens. Engines whose widths vary
+    share another program, which dynamo makes dynamic in T once a second width runs."""
+    attribute = "_compiled_forward" if one_width else "_compiled_forward_any_width"
+    if getattr(model, attribute, None) is None:
         _configure_compile(model)
-        model._compiled_forward = torch.compile(model.forward, fullgraph=True)
-    return model._compiled_forward
+        setattr(model, attribute, torch.compile(model.forward, fullgraph=True, dynamic=False if one_width else None))
+    return getattr(model, attribute)
 
 
 def compiled_prefill(model: GemmaModel):
@@ -249,7 +253,7 @@ class TorchEngine:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.compiles = self.device.type == "cuda" if compile is None else compile
-        self._model_fn = compiled_forward(model) if self.compiles else model.forward
+        self._model_fn = compiled_forward(model, invariant) if self.compiles else model.forward
         self._prefill_fn = compiled_prefill(model) if self.compiles else model.forward
         self._pad_tokens = torch.full((batch, self.width - 1), model.cfg.pad_token_id, dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, VerifyOutput]] = {}

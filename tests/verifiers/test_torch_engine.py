@@ -172,6 +172,36 @@ def test_warm_up_prefill_compiles_every_chunk_length_a_prompt_can_need(random_ch
     assert counters["stats"]["unique_graphs"] == compiled
 
 
+def test_an_invariant_engines_decode_forward_is_compiled_static_after_a_dynamic_prefill(random_checkpoints,
+                                                                                        monkeypatch):
+    """A compiled prefill (dynamic in the chunk's length) runs the forward's code first; the decode forward of an
+    invariant engine, one width, still compiles with static shapes. Left to dynamo it came out dynamic in T, which
+    cost the 270M's cycle 7 us on an H200 (docs/benchmarks.md). An engine whose widths vary gets a dynamic one."""
+    dynamic_graphs = []
+
+    def recording(graph_module, example_inputs):  # dynamic: an input's traced shape holds a symbol
+        traced = [node.meta.get("example_value") for node in graph_module.graph.find_nodes(op="placeholder")]
+        dynamic_graphs.append(any(isinstance(size, torch.SymInt) for value in traced for size in getattr(value, "shape", ())))
+        return graph_module.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **dict(kwargs, backend=recording)))
+    torch._dynamo.reset()
+    model = GemmaModel.from_checkpoint(random_checkpoints["gemma3"], max_seq_len=128)
+    prompt = list(range(5, 45))  # past SPLIT_MAX_ROWS: prefill compiled
+    invariant = TorchEngine(model, max_seq_len=128, k_max=4, compile=True)
+    invariant.prefill([prompt])
+    assert dynamic_graphs == [True]
+    for drafts in (0, 3):
+        invariant.verify(torch.zeros(1, drafts + 1, dtype=torch.long))
+    assert dynamic_graphs == [True, False]  # one static program for both verifies
+    per_width = TorchEngine(model, max_seq_len=128, k_max=4, compile=True, invariant=False)
+    per_width.prefill([prompt])
+    for drafts in (0, 3):
+        per_width.verify(torch.zeros(1, drafts + 1, dtype=torch.long))
+    assert dynamic_graphs[2:] and dynamic_graphs[-1]
+
+
 def test_compiled_cycle_pieces_emit_the_eager_cycles_tokens(random_checkpoints, monkeypatch):
     """A compiling engine's fused cycle traces its inputs, greedy acceptance and bookkeeping whole (fullgraph, with
     their in-place updates of the token buffer and lengths), and emits the eager cycle's tokens: plain, n-gram and
