@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from specdec.errors import SpecdecError
+from specdec.protocol import DEFAULT_DRAFTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Lossless speculative decoding for Gemma models.")
 err = Console(stderr=True)
@@ -59,7 +60,7 @@ def generate(
     target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
     drafter: str = typer.Option("ngram", help="ngram | none | eagle3=DIR (an EAGLE-3 head trained for this target) | model=DIR (a Gemma of the target's tokenizer) | mtp=DIR (a Gemma 4 assistant)"),
     engine: str = typer.Option("torch", help="torch | jax"),
-    k: int = typer.Option(4, "-k", "--k", help="draft tokens per cycle"),
+    k: int = typer.Option(DEFAULT_DRAFTS, "-k", "--k", help="draft tokens per cycle"),
     max_new_tokens: int = typer.Option(128, help="tokens to generate at most"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     top_p: float = typer.Option(1.0),

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+DEFAULT_DRAFTS = 4  # draft tokens per cycle where a user names none (`specdec generate`'s --k)
+
 Array = Any  # torch.Tensor or jax.Array
 
 

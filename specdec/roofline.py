@@ -8,7 +8,8 @@
 
 Per engine and model: the plain decode step as `specdec generate` runs it (the fused plain cycle: one CUDA graph
 replay of the torch.compile'd forward per token in torch, 8 steps per compiled call in JAX; invariant forwards,
-so every step is the engine's one decode width), its seconds per token over `--steps` tokens after warm-up, and
+so every step is the engine's one decode width: 8 rows for generate's default of 4 drafts, 16 for `--k-max` 8 to
+15), its seconds per token over `--steps` tokens after warm-up, and
 the roofline: the device's copy bandwidth over the bytes one step must read, i.e. every weight (one row of a
 table that is only looked up: untied embeddings, per-layer inputs) and every allocated KV slot. Bytes are counted
 from the config, the same for both engines. Each (engine, model) runs in a process of its own, so a 31B's
@@ -42,7 +43,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-K_MAX = 8
+from specdec.protocol import DEFAULT_DRAFTS
+
 CONTEXT = 1024  # cache positions by default (--context): a 128-token prompt and the decoded tokens fit
 PROMPT_TOKENS = 128
 MOST_WARM_UP = 16  # steps an engine runs before the timed ones, at most
@@ -102,15 +104,15 @@ def checkpoint_270m() -> Path:
     return default_checkpoint()
 
 
-def step_bytes(cfg, itemsize: int, context: int) -> dict[str, int]:
+def step_bytes(cfg, itemsize: int, context: int, k_max: int) -> dict[str, int]:
     """What one batch-1 decode step reads: every weight (a single row of a table that is only looked up) and
-    every allocated KV slot of an engine of `context` positions and K_MAX."""
+    every allocated KV slot of an engine of `context` positions and drafts of up to `k_max` tokens."""
     from specdec.models.checkpoint import expected_shapes
 
     lookup_only = {"embed_tokens_per_layer.weight"} | ({"embed_tokens.weight"} if not cfg.tie_word_embeddings else set())
     weights = sum(math.prod(shape[1:] if name in lookup_only else shape) for name, shape in expected_shapes(cfg).items())
     kv = sum(math.prod(shape) * (2 if with_values else 1)
-             for shape, with_values in filter(None, cfg.kv_cache_shapes(1, context, K_MAX)))
+             for shape, with_values in filter(None, cfg.kv_cache_shapes(1, context, k_max)))
     return {"weights": weights * itemsize, "kv_cache": kv * itemsize, "total": (weights + kv) * itemsize}
 
 
@@ -168,14 +170,14 @@ def time_plain_decode(cycle, prompt: list[int], args, first_steps: int, warm_up:
 
 
 def logits_digest(engine, prompt: list[int]) -> str:
-    """A digest of the float32 logits of one verify forward of K_MAX + 1 tokens after `prompt`: equal digests
+    """A digest of the float32 logits of one verify forward of k_max + 1 tokens after `prompt`: equal digests
     on 1 and N devices mean they compute the same bits, a stronger test than the greedy tokens of random weights."""
     import hashlib
 
     import numpy as np
 
     pending = int(engine.prefill([prompt])[0])
-    tokens = [[pending] + [(pending + 1 + i) % engine.vocab_size for i in range(K_MAX)]]
+    tokens = [[pending] + [(pending + 1 + i) % engine.vocab_size for i in range(engine.k_max)]]
     if hasattr(engine, "device"):  # torch
         import torch
 
@@ -222,7 +224,7 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
                                            tp_group=group, tp_parts=args.tp_parts)
     else:
         model = GemmaModel.random(cfg, dtype, device, args.context, tp_group=group, tp_parts=args.tp_parts)
-    engine = TorchEngine(model, max_seq_len=args.context, k_max=K_MAX, compile=cuda and args.torch_compile)
+    engine = TorchEngine(model, max_seq_len=args.context, k_max=args.k_max, compile=cuda and args.torch_compile)
     with torch.inference_mode():
         step, median, tokens = time_plain_decode(FusedCycle(engine, None, 0), prompt, args, 8, 3,
                                                  "compiled and captured")
@@ -273,7 +275,7 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
         # Split over a mesh or in parts, the weights are made a layer at a time into host memory, and the engine
         # places each device's share: the whole 31B (62 GB) made on the first H100 left no room there for its share.
         params = random_params(cfg, jax.random.key(0), dtype, pack=pack, place=None if pack else jax.device_get)
-    engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=K_MAX, **split)
+    engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=args.k_max, **split)
     del params  # a mesh's shards are copies: one model's weights held, not two
     step, median, tokens = time_plain_decode(JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")
     digest = logits_digest(engine, prompt)
@@ -319,7 +321,7 @@ def child(engine: str, name: str, tp: int, args) -> dict | None:
     if result is None:
         return None
     return dict(result, engine=engine, model=name, tensor_parallel=tp, tp_parts=args.tp_parts,
-                bytes_per_step=step_bytes(cfg, result["itemsize"], args.context),
+                bytes_per_step=step_bytes(cfg, result["itemsize"], args.context, args.k_max),
                 **({"layers": cfg.num_layers} if args.layers else {}))
 
 
@@ -337,7 +339,8 @@ def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dic
 
         env["XLA_FLAGS"] = with_parts_xla_flags(env.get("XLA_FLAGS", ""))
     command = launcher + ["specdec.roofline", "--child", f"{engine}:{name}:{tp}", "--steps", str(args.steps),
-                          "--tokens", str(args.tokens), "--context", str(args.context)]
+                          "--tokens", str(args.tokens), "--context", str(args.context),
+                          "--k-max", str(args.k_max)]
     command += ["--tiny"] * args.tiny + ["--no-torch-compile"] * (not args.torch_compile)
     command += ["--verify-widths", ",".join(map(str, args.verify_widths))] if args.verify_widths else []
     command += ["--config-270m", str(args.config_270m)] if args.config_270m else []
@@ -361,11 +364,11 @@ def run_all(args) -> tuple[dict, list[str]]:
                     log(f"{failed[-1]}: failed (exit {done.returncode})")
                     continue
                 rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-                args.out.write_text(json.dumps(summarise(rows, args.steps, args.context), indent=1))
-    return summarise(rows, args.steps, args.context), failed
+                args.out.write_text(json.dumps(summarise(rows, args.steps, args.context, args.k_max), indent=1))
+    return summarise(rows, args.steps, args.context, args.k_max), failed
 
 
-def summarise(rows: list[dict], steps: int, context: int) -> dict:
+def summarise(rows: list[dict], steps: int, context: int, k_max: int) -> dict:
     bandwidth = max((r["copy_bandwidth"] for r in rows), default=0.0)  # one device's, at its best measurement
     for r in rows:
         tp = r.get("tensor_parallel", 1)
@@ -376,7 +379,7 @@ def summarise(rows: list[dict], steps: int, context: int) -> dict:
 
     return {"benchmark": "roofline", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "device": rows[0]["device"] if rows else None, "copy_bandwidth": bandwidth,
-            "context": context, "k_max": K_MAX, "steps": steps, "rows": rows}
+            "context": context, "k_max": k_max, "steps": steps, "rows": rows}
 
 
 def merge(paths: list[Path]) -> dict:
@@ -386,7 +389,7 @@ def merge(paths: list[Path]) -> dict:
     if len(records) == 1:
         return records[0]
     context = records[0].get("context", CONTEXT)
-    return dict(summarise(rows, records[0]["steps"], context), date=records[-1]["date"], commit=records[-1]["commit"],
+    return dict(summarise(rows, records[0]["steps"], context, records[0]["k_max"]), date=records[-1]["date"], commit=records[-1]["commit"],
                 merged_from=[str(p) for p in paths])
 
 
@@ -407,7 +410,7 @@ def table(record: dict) -> str:
     and each row's commit where merged runs differ in it."""
     merged = len(row_commits(record)) > 1
     lines = [f"{record['device']}: copy bandwidth {record['copy_bandwidth'] / 1e9:.0f} GB/s per device, batch 1, "
-             "invariant width",
+             f"invariant width {', '.join(sorted({str(r['width']) for r in record['rows']}))} rows",
              f"{'model':<6} {'engine':<6} {'devs':>4} {'parts':>5} {'GB/step':>8} {'step ms':>8} {'tok/s':>8} "
              f"{'roofline':>9} {'fraction':>9} {'jax/torch':>10} {'x 1 dev':>8} {'= 1 dev':>8} {'bits':>5} {'distinct':>8}"
              + ("  commit" if merged else "")]
@@ -503,12 +506,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch: CUDA graphs of the eager forward (no torch.compile)")
     parser.add_argument("--verify-widths", type=lambda text: [int(t) for t in text.split(",")], default=[],
                         help="comma-separated T: also time a T-token verify forward per width, e.g. 1,2,4,5,8,9")
+    parser.add_argument("--k-max", type=int, default=DEFAULT_DRAFTS, help="the engines' largest K, which sets their "
+                        "decode width (k_max + 1 rounded up to 8 rows) [default: specdec generate's --k]")
     parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke test)")
     parser.add_argument("--replot", type=Path, nargs="+", help="print and draw results files (merged) and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     models = [args.child.split(":")[1]] if args.child else args.models.split(",")  # a child runs its own
-    needed = PROMPT_TOKENS + MOST_WARM_UP + max(args.steps, args.tokens) + 2 * (K_MAX + 1)  # a cycle's slack as well
+    needed = PROMPT_TOKENS + MOST_WARM_UP + max(args.steps, args.tokens) + 2 * (args.k_max + 1)  # a cycle's slack as well
+    if args.k_max < 1:
+        parser.error(f"--k-max must be at least 1, got {args.k_max}")
     if args.context < needed:
         parser.error(f"--context {args.context} is too short for a {PROMPT_TOKENS}-token prompt and {MOST_WARM_UP} + "
                      f"{max(args.steps, args.tokens)} decode steps: at least {needed}")

@@ -25,6 +25,7 @@ def test_toy_31b_on_one_and_two_devices_both_engines(tmp_path):
     assert set(rows) == {("torch", 1), ("torch", 2), ("jax", 1), ("jax", 2)}
     for row in rows.values():
         assert row["model"] == "31b" and row["step_s"] > 0 and len(row["tokens"]) == 8
+        assert row["width"] == 8  # an engine of generate's default drafts, as `specdec generate` runs it
         assert set(row["verify_ms"]) == {"1", "2"} and all(ms > 0 for ms in row["verify_ms"].values())
         assert row["bytes_per_step"]["total"] == row["bytes_per_step"]["weights"] + row["bytes_per_step"]["kv_cache"]
     for engine in ("torch", "jax"):  # float32 on the CPU: two devices decode what one does
@@ -46,20 +47,22 @@ def test_bad_flag_is_refused():
     assert done.returncode == 2 and "--layers does not cut e4b" in done.stderr
     done = roofline("--tiny", "--steps", "128", "--context", "200")
     assert done.returncode == 2 and "--context 200 is too short" in done.stderr
+    done = roofline("--tiny", "--k-max", "0")
+    assert done.returncode == 2 and "--k-max must be at least 1, got 0" in done.stderr
 
 
-def test_context_sizes_the_caches_and_the_bytes_a_step_reads(tmp_path):
+def test_context_and_k_max_size_the_caches_and_the_bytes_a_step_reads(tmp_path):
     out = tmp_path / "roofline.json"
     done = roofline("--tiny", "--models", "31b", "--engines", "jax", "--steps", "2", "--tokens", "4", "--context",
-                    "200", "--out", str(out))
+                    "200", "--k-max", "8", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(out.read_text())
     cfg = GemmaConfig.from_dict(roofline_module.model_config("31b", SimpleNamespace(tiny=True, layers=None)))
     itemsize = record["rows"][0]["itemsize"]
-    assert record["context"] == 200
-    assert record["rows"][0]["bytes_per_step"] == roofline_module.step_bytes(cfg, itemsize, 200)
-    assert roofline_module.step_bytes(cfg, itemsize, 200)["kv_cache"] < roofline_module.step_bytes(
-        cfg, itemsize, roofline_module.CONTEXT)["kv_cache"]
+    assert record["context"] == 200 and record["k_max"] == 8 and record["rows"][0]["width"] == 16
+    assert record["rows"][0]["bytes_per_step"] == roofline_module.step_bytes(cfg, itemsize, 200, 8)
+    assert roofline_module.step_bytes(cfg, itemsize, 200, 8)["kv_cache"] < roofline_module.step_bytes(
+        cfg, itemsize, roofline_module.CONTEXT, 8)["kv_cache"]
 
 
 def test_a_failed_measurement_fails_the_run():
@@ -95,7 +98,7 @@ def test_jax_rows_in_parts_start_with_the_parts_xla_flag():
 
     child_command = roofline_module.child_command
     args = SimpleNamespace(steps=2, tokens=4, tiny=True, torch_compile=True, verify_widths=None, config_270m=None,
-                           tp_parts=2, layers=None, context=roofline_module.CONTEXT)
+                           tp_parts=2, layers=None, context=roofline_module.CONTEXT, k_max=4)
     _, env = child_command("jax", "31b", 2, args)
     assert env["XLA_FLAGS"].split()[-3:] == ["--xla_force_host_platform_device_count=2", *PARTS_GPU_XLA_FLAGS]
     without_parts = SimpleNamespace(**{**vars(args), "tp_parts": None})
