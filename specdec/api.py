@@ -14,6 +14,7 @@ from specdec.errors import SpecdecError
 from specdec.generate import Generation, HostCycle, StopCondition, run_cycles
 from specdec.models.config import GemmaConfig, with_parts_xla_flags
 from specdec.models.tokenizer import Tokenizer
+from specdec.protocol import DEFAULT_DRAFTS
 from specdec.sampling import SamplingParams
 
 ENGINES = ("torch", "jax")
@@ -78,6 +79,9 @@ def load(
     """Load a target for generation. Defaults: the embedded Gemma 3 270M, the PyTorch engine, CUDA in
     bf16 when there is a GPU, else CPU in fp32, row-invariant forwards (greedy speculative output is the
     plain decode's; `invariant=False` is faster on CPU but can differ at floating-point near-ties).
+    `k_max`, the most drafts a cycle verifies, sets the invariant width every forward runs: k_max + 1 rounded up
+    to 8 rows. On an H200, 16 rows (k_max 8-15) cost a plain step 3-4% more than 8 (k_max 1-7) on the 270M and
+    31B shapes (docs/benchmarks.md).
 
     `compile` (torch on CUDA) fuses the forward with torch.compile before capturing CUDA graphs: about
     2.5x faster decoding of the 270M, for about 45 s of compilation on a machine's first run and 10 s
@@ -385,7 +389,7 @@ def generate(
     prompt: str | Sequence[str],
     target: Target | str | Path | None = None,
     drafter: str = "ngram",
-    k: int = 4,
+    k: int = DEFAULT_DRAFTS,
     max_new_tokens: int = 128,
     sampling: SamplingParams = SamplingParams(),
     stop_strings: Sequence[str] = (),
