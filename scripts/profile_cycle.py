@@ -166,7 +166,8 @@ def main() -> None:
               "width": plain_engine.width if args.invariant else None,
               "prompt_tokens": len(prompt), "rows": rows}
     args.out.write_text(json.dumps(record, indent=1))
-    print(f"\n{record['device']} · {record['commit']} · width {record['width'] or 'k + 1 (not invariant)'} · k {args.k}")
+    width = record["width"] or "k + 1 (not invariant)"
+    print(f"\n{record['device']} · {record['commit']} · width {width} · k {args.k}")
     print(f"{'method':8s} {'wall ms':>8s} {'gpu ms':>7s} {'verify':>7s} {'rest':>6s} {'kernels':>8s} "
           f"{'busy ms':>8s} {'verify kernels':>15s}")
     for r in rows:

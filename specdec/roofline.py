@@ -389,8 +389,8 @@ def merge(paths: list[Path]) -> dict:
     if len(records) == 1:
         return records[0]
     context = records[0].get("context", CONTEXT)
-    return dict(summarise(rows, records[0]["steps"], context, records[0]["k_max"]), date=records[-1]["date"], commit=records[-1]["commit"],
-                merged_from=[str(p) for p in paths])
+    return dict(summarise(rows, records[0]["steps"], context, records[0]["k_max"]), date=records[-1]["date"],
+                commit=records[-1]["commit"], merged_from=[str(p) for p in paths])
 
 
 def row_commits(record: dict) -> set[str]:
@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     models = [args.child.split(":")[1]] if args.child else args.models.split(",")  # a child runs its own
-    needed = PROMPT_TOKENS + MOST_WARM_UP + max(args.steps, args.tokens) + 2 * (args.k_max + 1)  # a cycle's slack as well
+    needed = PROMPT_TOKENS + MOST_WARM_UP + max(args.steps, args.tokens) + 2 * (args.k_max + 1)  # a cycle's slack too
     if args.k_max < 1:
         parser.error(f"--k-max must be at least 1, got {args.k_max}")
     if args.context < needed:

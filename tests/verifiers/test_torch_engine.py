@@ -181,7 +181,8 @@ def test_an_invariant_engines_decode_forward_is_compiled_static_after_a_dynamic_
 
     def recording(graph_module, example_inputs):  # dynamic: an input's traced shape holds a symbol
         traced = [node.meta.get("example_value") for node in graph_module.graph.find_nodes(op="placeholder")]
-        dynamic_graphs.append(any(isinstance(size, torch.SymInt) for value in traced for size in getattr(value, "shape", ())))
+        sizes = [size for value in traced for size in getattr(value, "shape", ())]
+        dynamic_graphs.append(any(isinstance(size, torch.SymInt) for size in sizes))
         return graph_module.forward
 
     real_compile = torch.compile
