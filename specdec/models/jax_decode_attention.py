@@ -1,4 +1,4 @@
-"""A JAX decode forward's attention over the static cache as two Pallas kernels (Triton on GPUs).
+"""A JAX decode forward's attention over the static cache as three Pallas kernels (Triton on GPUs).
 
 XLA ran a sliding layer's decode attention on the 270M as five kernels: the scores' product, the masked softmax, the
 value product split over the slots, its reduction and a transpose (docs/benchmarks.md). This is the flash-decoding
@@ -6,6 +6,10 @@ split the torch engine runs (decode_attention), with the same blocks (decode_pla
 slots against 16 query rows of one KV head, masks them by the positions the slots hold against each row's lowest and
 highest attended position, and keeps its own float32 softmax maximum, sum and value product. A second kernel combines
 the splits in split order and writes the output in the layout o_proj reads.
+
+Before them, one kernel takes the layer's packed q/k/v projection and does what XLA ran as five kernels (q's norm, q's
+RoPE, k's norm with RoPE, the key and the value writes): each program normalises and rotates one token's query and
+key heads, normalises its value heads (Gemma 4), and writes the keys and values into their slots of the cache in place.
 
 Every decode forward of an engine runs one width, so its programs are the same in a plain step and in a verify, and
 what a program computes for a row depends on that row and the slots alone.
@@ -58,6 +62,89 @@ def takes(q, keys, softcap: float | None) -> bool:
     return (on_device and softcap is None and 16 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
             and tokens * groups % BLOCK_M == 0 and slots % plan(slots, head_dim, kv_heads)["chunk"] == 0
             and groups <= COMBINE_ROWS and groups & (groups - 1) == 0)
+
+
+def takes_inputs(q_heads: int, kv_heads: int, head_dim: int, dtype) -> bool:
+    """Whether a decode forward's q/k/v epilogue of a layer with `q_heads` and `kv_heads` (0: a KV-shared layer, which
+    writes nothing) runs in inputs(): bf16/fp16 on a GPU with Pallas's Triton backend (or interpreted()), and whole
+    tiles of heads by half a head (powers of two)."""
+    on_device = _interpret or (jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
+                               and _pallas_triton())
+    return on_device and all(n & (n - 1) == 0 for n in (q_heads, kv_heads, head_dim)) and head_dim >= 16
+
+
+def _inputs_kernel(proj_ref, q_weight_ref, k_weight_ref, cos_ref, sin_ref, slot_ref, *refs, q_heads: int,
+                   kv_heads: int, half: int, eps: float, weight_offset: float, v_norm: bool):
+    from jax.experimental import pallas as pl
+
+    q_ref = refs[-3] if kv_heads else refs[-1]  # refs: (keys, values,) q, keys, values (aliased) or q alone
+    token, position = pl.program_id(0), pl.program_id(1)
+    halves = (pl.ds(0, half), pl.ds(half, half))
+    cos1, cos2 = (cos_ref[token, position, h].astype(jnp.float32)[None, :] for h in halves)
+    sin1, sin2 = (sin_ref[token, position, h].astype(jnp.float32)[None, :] for h in halves)
+    dtype = q_ref.dtype
+
+    def normed(first: int, count: int, weight_ref):
+        """Heads first.. of the token's projection (a head's halves apart) through the RMS norm, rounded as
+        jax_gemma._rms_norm rounds: [count, half] twice, float32."""
+        x1, x2 = (proj_ref[token, position, pl.ds(first, count), h].astype(jnp.float32) for h in halves)
+        scale = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) * (0.5 / half) + eps)[:, None]
+        x1, x2 = x1 * scale, x2 * scale
+        if weight_ref is not None:
+            x1, x2 = (x * (weight_offset + weight_ref[h].astype(jnp.float32))[None, :] for x, h in zip((x1, x2), halves))
+        return x1.astype(dtype).astype(jnp.float32), x2.astype(dtype).astype(jnp.float32)
+
+    def rotated(x1, x2):  # RoPE's rotate-half: the first half pairs with the second
+        return (x1 * cos1 - x2 * sin1).astype(dtype), (x2 * cos2 + x1 * sin2).astype(dtype)
+
+    for h, value in zip(halves, rotated(*normed(0, q_heads, q_weight_ref))):
+        q_ref[:, h] = value
+    if kv_heads:
+        keys_ref, values_ref = refs[-2:]
+        slot, heads = slot_ref[token, position], pl.ds(0, kv_heads)
+        for h, value in zip(halves, rotated(*normed(q_heads, kv_heads, k_weight_ref))):
+            keys_ref[token, heads, slot, h] = value
+        if v_norm:
+            values = normed(q_heads + kv_heads, kv_heads, None)
+        else:
+            values = (proj_ref[token, position, pl.ds(q_heads + kv_heads, kv_heads), h] for h in halves)
+        for h, value in zip(halves, values):
+            values_ref[token, heads, slot, h] = value.astype(dtype)
+
+
+def inputs(projected, q_weight, k_weight, cos, sin, slots, keys, values, *, q_heads: int, eps: float,
+           weight_offset: float, v_norm: bool):
+    """A decode forward's q/k/v epilogue in one kernel: from the packed projection `projected` [B, T, heads, hd] (the
+    q heads, then k's, then v's; q's alone for a KV-shared layer, `keys` and `values` None), q and k RMS-normed with
+    weights q_weight and k_weight [hd] (times weight_offset + w) and rotated by cos and sin [B, T, hd], v normed
+    without a weight where `v_norm` (Gemma 4). Returns q [B, T, q_heads, hd] and the cache's keys and values [B, n_kv,
+    slots, hd] with the chunk's written at `slots` [B, T] (the same buffers, updated in place)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    B, T, heads, head_dim = projected.shape
+    kv_heads = (heads - q_heads) // 2 if keys is not None else 0
+    kernel = functools.partial(_inputs_kernel, q_heads=q_heads, kv_heads=kv_heads, half=head_dim // 2, eps=eps,
+                               weight_offset=weight_offset, v_norm=v_norm)
+    operands = [projected, q_weight, q_weight if k_weight is None else k_weight, cos, sin, slots]
+    out_shape = [jax.ShapeDtypeStruct((B, T, q_heads, head_dim), projected.dtype)]
+    out_specs = [pl.BlockSpec((None, None, q_heads, head_dim), lambda b, t: (b, t, 0, 0))]
+    if kv_heads:  # written where the slots say: the whole cache is the block, aliased to the output
+        operands += [keys, values]
+        out_shape += [jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct(values.shape, values.dtype)]
+        out_specs += [pl.no_block_spec, pl.no_block_spec]
+    results = pl.pallas_call(
+        kernel,
+        grid=(B, T),
+        in_specs=[pl.no_block_spec] * len(operands),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={6: 1, 7: 2} if kv_heads else {},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=_interpret,
+        name="decode_attention_inputs",
+    )(*operands)
+    return results if kv_heads else (results[0], keys, values)
 
 
 def _partials_kernel(q_ref, k_ref, v_ref, stored_ref, low_ref, high_ref, acc_ref, top_ref, total_ref, *,

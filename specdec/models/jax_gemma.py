@@ -358,8 +358,9 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
     nkv = spec.num_kv_heads // (parts.count if parts else 1)  # of a part (in `parts`), else of the model
     names = ("q_proj",) + (("k_proj",) + (() if spec.k_eq_v else ("v_proj",)) if spec.owns_cache else ())
     sizes = (cfg.num_heads * hd,) + (spec.num_kv_heads * hd,) * (len(names) - 1)
-    queries, new_kv = [], []
-    for part in range(parts.local if parts else 1):
+    fused = _fused_inputs(params, cfg, spec, names, x, ctx, cache, parts)
+    queries, new_kv = [] if fused is None else [fused], []
+    for part in range(parts.local if parts else 1) if fused is None else ():
         q, *kv = _project(params, p, names, x, sizes, parts, part)
         q = q.reshape(B, T, nkv * groups, hd)
         q = _apply_rope(_rms_norm(q, params[p + "q_norm.weight"], cfg), ctx["cos"][kind], ctx["sin"][kind])
@@ -367,7 +368,7 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
         if spec.owns_cache:
             new_kv.append(_project_kv(params, cfg, spec, kv[0], kv[1] if len(kv) > 1 else None, ctx))
 
-    if spec.owns_cache:
+    if spec.owns_cache and fused is None:
         if ctx["commit_first"]:
             # Each part writes its own heads: joined first, XLA would compute every part's keys in one wider
             # fusion, which on the CPU rounded otherwise than a device holding one part (float32).
@@ -398,6 +399,30 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
             out = _attend(cfg, q, kv, ctx["mask"][kind])
         outs.append(out.reshape(B, T, -1))
     return _row_parallel(params, p + "o_proj.weight", outs, parts)
+
+
+def _fused_inputs(params: Params, cfg: GemmaConfig, spec: LayerSpec, names, x, ctx, cache: Cache,
+                  parts: Parts | None):
+    """A decode forward's q [B, T, n_kv, groups, hd], normed and rotated, by jax_decode_attention.inputs, which also
+    writes the layer's new keys and values into `cache`; None where that kernel does not take the layer (a prefill,
+    tensor-parallel parts, k_eq_v, weights not packed, or shapes it does not take)."""
+    B, T, _ = x.shape
+    p, kind, hd = f"layers.{spec.index}.self_attn.", spec.kind, spec.head_dim
+    kv_heads = spec.num_kv_heads if spec.owns_cache else 0
+    weight = params.get(packed_name(p, names) if len(names) > 1 else f"{p}q_proj.weight")
+    if (not ctx["commit_first"] or parts is not None or spec.k_eq_v or weight is None
+            or not jax_decode_attention.takes_inputs(cfg.num_heads, kv_heads, hd, x.dtype)):
+        return None
+    index = spec.index
+    q, keys, values = jax_decode_attention.inputs(
+        _linear(x, weight).reshape(B, T, -1, hd), params[p + "q_norm.weight"],
+        params[p + "k_norm.weight"] if kv_heads else None, ctx["cos"][kind][:, :, 0], ctx["sin"][kind][:, :, 0],
+        ctx["slots"][kind][1], cache["keys"][index] if kv_heads else None,
+        cache["values"][index] if kv_heads else None, q_heads=cfg.num_heads, eps=cfg.rms_norm_eps,
+        weight_offset=cfg.norm_weight_offset, v_norm=cfg.is_gemma4)
+    if kv_heads:
+        cache["keys"][index], cache["values"][index] = keys, values
+    return q.reshape(B, T, spec.num_kv_heads, cfg.num_heads // spec.num_kv_heads, hd)
 
 
 def _heads(t, *, part: int, nkv: int, count: int):
