@@ -1,6 +1,7 @@
-"""How a decode forward's attention over the static cache splits its work (flash-decoding): the blocks both engines'
-kernels use (torch: decode_attention's Triton kernels; JAX: jax_decode_attention's Pallas kernels). Framework-free, so
-that neither engine imports the other's framework for it.
+"""How a decode forward splits its work: the blocks of attention over the static cache (flash-decoding) both engines'
+kernels use (torch: decode_attention's Triton kernels; JAX: jax_decode_attention's Pallas kernels), and the slices a
+product of few rows splits its reduction into. Framework-free, so that neither engine imports the other's framework
+for it.
 
 Rows stay bitwise invariant because the blocks depend on the cache alone, never on how many rows a forward has.
 """
@@ -32,3 +33,16 @@ def plan(slots: int, head_dim: int, kv_heads: int) -> dict:
     wide = kv_heads * splits >= WIDE_PROGRAMS
     return {"splits": splits, "chunk": chunk, "BLOCK_S": BLOCK_S, "BLOCK_M": BLOCK_M,
             "D_BLOCK": head_dim if wide else min(head_dim, 128), "num_warps": 4}
+
+
+SPLIT_MAX_ROWS = 32  # products of more rows keep one GEMM (reduction_splits)
+
+
+def reduction_splits(rows: int, columns: int, reduction: int) -> int:
+    """1, or the slices a product of `rows` rows with a [columns, reduction] weight splits its reduction into (torch:
+    torch_gemma.linear; JAX: a decode forward's q/k/v): for at most SPLIT_MAX_ROWS rows, where a weight's 128-column
+    tiles would not reach half an H100's or H200's 132 SMs, 4 or 2 slices of a multiple of 64 (4 at most: 8 was
+    slower on an H200 for E4B's down projection)."""
+    if rows > SPLIT_MAX_ROWS or columns > 66 * 128:
+        return 1
+    return next((s for s in (4, 2) if reduction % (64 * s) == 0), 1)

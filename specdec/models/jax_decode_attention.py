@@ -65,29 +65,39 @@ def takes(q, keys, softcap: float | None) -> bool:
 
 
 def takes_inputs(q_heads: int, kv_heads: int, head_dim: int, dtype) -> bool:
-    """Whether a decode forward's q/k/v epilogue of a layer with `q_heads` and `kv_heads` (0: a KV-shared layer, which
-    writes nothing) runs in inputs(): bf16/fp16 on a GPU with Pallas's Triton backend (or interpreted()), and whole
-    tiles of heads by half a head (powers of two)."""
+    """Whether a decode forward's q/k/v epilogue of a layer with `q_heads` over `kv_heads` runs in inputs(): bf16/fp16
+    on a GPU with Pallas's Triton backend (or interpreted()), and whole tiles of a KV head's query heads by half a head
+    (powers of two)."""
     on_device = _interpret or (jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
                                and _pallas_triton())
-    return on_device and all(n & (n - 1) == 0 for n in (q_heads, kv_heads, head_dim)) and head_dim >= 16
+    groups = q_heads // kv_heads
+    return (on_device and q_heads % kv_heads == 0 and all(n & (n - 1) == 0 for n in (groups, head_dim))
+            and head_dim >= 16)
 
 
-def _inputs_kernel(proj_ref, q_weight_ref, k_weight_ref, cos_ref, sin_ref, slot_ref, *refs, q_heads: int,
-                   kv_heads: int, half: int, eps: float, weight_offset: float, v_norm: bool):
+def _inputs_kernel(proj_ref, q_weight_ref, k_weight_ref, cos_ref, sin_ref, slot_ref, *refs, q_heads: int, groups: int,
+                   writes: bool, half: int, eps: float, weight_offset: float, v_norm: bool):
     from jax.experimental import pallas as pl
 
-    q_ref = refs[-3] if kv_heads else refs[-1]  # refs: (keys, values,) q, keys, values (aliased) or q alone
-    token, position = pl.program_id(0), pl.program_id(1)
+    q_ref = refs[-3] if writes else refs[-1]  # refs: (keys, values,) q, keys, values (aliased) or q alone
+    token, position, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv_heads = q_heads // groups
     halves = (pl.ds(0, half), pl.ds(half, half))
     cos1, cos2 = (cos_ref[token, position, h].astype(jnp.float32)[None, :] for h in halves)
     sin1, sin2 = (sin_ref[token, position, h].astype(jnp.float32)[None, :] for h in halves)
     dtype = q_ref.dtype
 
-    def normed(first: int, count: int, weight_ref):
-        """Heads first.. of the token's projection (a head's halves apart) through the RMS norm, rounded as
-        jax_gemma._rms_norm rounds: [count, half] twice, float32."""
-        x1, x2 = (proj_ref[token, position, pl.ds(first, count), h].astype(jnp.float32) for h in halves)
+    def projected(first, count: int):
+        """Heads first.. of the token's projection, its halves apart, [count, half] float32 twice: the splits'
+        products added in order and rounded as a product in the model's dtype is."""
+        return tuple(functools.reduce(lambda total, s: total + proj_ref[s, token, position, pl.ds(first, count), h]
+                                      .astype(jnp.float32), range(1, proj_ref.shape[0]),
+                                      proj_ref[0, token, position, pl.ds(first, count), h].astype(jnp.float32))
+                     .astype(dtype).astype(jnp.float32) for h in halves)
+
+    def normed(first, count: int, weight_ref):
+        """Through the RMS norm, rounded as jax_gemma._rms_norm rounds (weight_ref None: Gemma 4's scale-free norm)."""
+        x1, x2 = projected(first, count)
         scale = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) * (0.5 / half) + eps)[:, None]
         x1, x2 = x1 * scale, x2 * scale
         if weight_ref is not None:
@@ -97,54 +107,54 @@ def _inputs_kernel(proj_ref, q_weight_ref, k_weight_ref, cos_ref, sin_ref, slot_
     def rotated(x1, x2):  # RoPE's rotate-half: the first half pairs with the second
         return (x1 * cos1 - x2 * sin1).astype(dtype), (x2 * cos2 + x1 * sin2).astype(dtype)
 
-    for h, value in zip(halves, rotated(*normed(0, q_heads, q_weight_ref))):
+    for h, value in zip(halves, rotated(*normed(kv_head * groups, groups, q_weight_ref))):
         q_ref[:, h] = value
-    if kv_heads:
+    if writes:
         keys_ref, values_ref = refs[-2:]
-        slot, heads = slot_ref[token, position], pl.ds(0, kv_heads)
-        for h, value in zip(halves, rotated(*normed(q_heads, kv_heads, k_weight_ref))):
-            keys_ref[token, heads, slot, h] = value
-        if v_norm:
-            values = normed(q_heads + kv_heads, kv_heads, None)
-        else:
-            values = (proj_ref[token, position, pl.ds(q_heads + kv_heads, kv_heads), h] for h in halves)
+        slot, head = slot_ref[token, position], pl.ds(kv_head, 1)
+        for h, value in zip(halves, rotated(*normed(q_heads + kv_head, 1, k_weight_ref))):
+            keys_ref[token, head, slot, h] = value
+        v_head = q_heads + kv_heads + kv_head
+        values = normed(v_head, 1, None) if v_norm else projected(v_head, 1)
         for h, value in zip(halves, values):
-            values_ref[token, heads, slot, h] = value.astype(dtype)
+            values_ref[token, head, slot, h] = value.astype(dtype)
 
 
-def inputs(projected, q_weight, k_weight, cos, sin, slots, keys, values, *, q_heads: int, eps: float,
-           weight_offset: float, v_norm: bool):
-    """A decode forward's q/k/v epilogue in one kernel: from the packed projection `projected` [B, T, heads, hd] (the
-    q heads, then k's, then v's; q's alone for a KV-shared layer, `keys` and `values` None), q and k RMS-normed with
-    weights q_weight and k_weight [hd] (times weight_offset + w) and rotated by cos and sin [B, T, hd], v normed
-    without a weight where `v_norm` (Gemma 4). Returns q [B, T, q_heads, hd] and the cache's keys and values [B, n_kv,
-    slots, hd] with the chunk's written at `slots` [B, T] (the same buffers, updated in place)."""
+def inputs(partials, q_weight, k_weight, cos, sin, slots, keys, values, *, q_heads: int, kv_heads: int, eps: float,
+           weight_offset: float, v_norm: bool, dtype):
+    """A decode forward's q/k/v epilogue in one kernel, a program per token and KV head: from the products of the
+    packed projection's `partials` [splits, B, T, heads, hd] (the splits of its reduction, added here in order; the
+    q heads, then k's, then v's; q's alone for a KV-shared layer, whose `keys` and `values` are None), q and k
+    RMS-normed with weights q_weight and k_weight [hd] (times weight_offset + w) and rotated by cos and sin [B, T, hd],
+    v normed without a weight where `v_norm` (Gemma 4), each rounded to the model's `dtype` where the layer rounds.
+    Returns q [B, T, q_heads, hd] and the cache's keys and values [B, kv_heads, slots, hd] with the chunk's written
+    at `slots` [B, T] (the same buffers, updated in place)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    B, T, heads, head_dim = projected.shape
-    kv_heads = (heads - q_heads) // 2 if keys is not None else 0
-    kernel = functools.partial(_inputs_kernel, q_heads=q_heads, kv_heads=kv_heads, half=head_dim // 2, eps=eps,
-                               weight_offset=weight_offset, v_norm=v_norm)
-    operands = [projected, q_weight, q_weight if k_weight is None else k_weight, cos, sin, slots]
-    out_shape = [jax.ShapeDtypeStruct((B, T, q_heads, head_dim), projected.dtype)]
-    out_specs = [pl.BlockSpec((None, None, q_heads, head_dim), lambda b, t: (b, t, 0, 0))]
-    if kv_heads:  # written where the slots say: the whole cache is the block, aliased to the output
+    _, B, T, _, head_dim = partials.shape
+    groups, writes = q_heads // kv_heads, keys is not None
+    kernel = functools.partial(_inputs_kernel, q_heads=q_heads, groups=groups, writes=writes, half=head_dim // 2,
+                               eps=eps, weight_offset=weight_offset, v_norm=v_norm)
+    operands = [partials, q_weight, q_weight if k_weight is None else k_weight, cos, sin, slots]
+    out_shape = [jax.ShapeDtypeStruct((B, T, q_heads, head_dim), dtype)]
+    out_specs = [pl.BlockSpec((None, None, groups, head_dim), lambda b, t, g: (b, t, g, 0))]
+    if writes:  # written where the slots say: the whole cache is the block, aliased to the output
         operands += [keys, values]
         out_shape += [jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct(values.shape, values.dtype)]
         out_specs += [pl.no_block_spec, pl.no_block_spec]
     results = pl.pallas_call(
         kernel,
-        grid=(B, T),
+        grid=(B, T, kv_heads),
         in_specs=[pl.no_block_spec] * len(operands),
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={6: 1, 7: 2} if kv_heads else {},
+        input_output_aliases={6: 1, 7: 2} if writes else {},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=_interpret,
         name="decode_attention_inputs",
     )(*operands)
-    return results if kv_heads else (results[0], keys, values)
+    return results if writes else (results[0], keys, values)
 
 
 def _partials_kernel(q_ref, k_ref, v_ref, stored_ref, low_ref, high_ref, acc_ref, top_ref, total_ref, *,

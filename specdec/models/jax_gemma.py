@@ -34,6 +34,7 @@ import numpy as np
 from specdec.models import jax_decode_attention
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
 from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq, vocab_rows
+from specdec.models.decode_plan import reduction_splits
 
 Params = dict[str, jax.Array]
 Cache = dict[str, Any]  # {"keys": [per layer], "values": [per layer], "slot_pos": {kind: [B, S] int32}}
@@ -405,22 +406,30 @@ def _fused_inputs(params: Params, cfg: GemmaConfig, spec: LayerSpec, names, x, c
                   parts: Parts | None):
     """A decode forward's q [B, T, n_kv, groups, hd], normed and rotated, by jax_decode_attention.inputs, which also
     writes the layer's new keys and values into `cache`; None where that kernel does not take the layer (a prefill,
-    tensor-parallel parts, k_eq_v, weights not packed, or shapes it does not take)."""
+    tensor-parallel parts, k_eq_v, weights not packed, or shapes it does not take). The projection's reduction is
+    split as torch's is (reduction_splits), and the kernel adds the splits: where XLA splits it on its own, a kernel
+    of its own adds them, which fused into the norm after it before."""
     B, T, _ = x.shape
     p, kind, hd = f"layers.{spec.index}.self_attn.", spec.kind, spec.head_dim
-    kv_heads = spec.num_kv_heads if spec.owns_cache else 0
     weight = params.get(packed_name(p, names) if len(names) > 1 else f"{p}q_proj.weight")
     if (not ctx["commit_first"] or parts is not None or spec.k_eq_v or weight is None
-            or not jax_decode_attention.takes_inputs(cfg.num_heads, kv_heads, hd, x.dtype)):
+            or not jax_decode_attention.takes_inputs(cfg.num_heads, spec.num_kv_heads, hd, x.dtype)):
         return None
-    index = spec.index
+    columns, reduction = weight.shape
+    splits = reduction_splits(B * T, columns, reduction)
+    if splits == 1:
+        partials = _linear(x, weight)[None]
+    else:  # [B, T, splits, part] by [columns, splits, part]: views, as torch_gemma.split_products' slices
+        partials = jax.lax.dot_general(x.reshape(B, T, splits, -1), weight.reshape(columns, splits, -1),
+                                       (((3,), (2,)), ((2,), (1,))), preferred_element_type=jnp.float32)
+    index, writes = spec.index, spec.owns_cache
     q, keys, values = jax_decode_attention.inputs(
-        _linear(x, weight).reshape(B, T, -1, hd), params[p + "q_norm.weight"],
-        params[p + "k_norm.weight"] if kv_heads else None, ctx["cos"][kind][:, :, 0], ctx["sin"][kind][:, :, 0],
-        ctx["slots"][kind][1], cache["keys"][index] if kv_heads else None,
-        cache["values"][index] if kv_heads else None, q_heads=cfg.num_heads, eps=cfg.rms_norm_eps,
-        weight_offset=cfg.norm_weight_offset, v_norm=cfg.is_gemma4)
-    if kv_heads:
+        partials.reshape(splits, B, T, -1, hd), params[p + "q_norm.weight"],
+        params[p + "k_norm.weight"] if writes else None, ctx["cos"][kind][:, :, 0], ctx["sin"][kind][:, :, 0],
+        ctx["slots"][kind][1], cache["keys"][index] if writes else None, cache["values"][index] if writes else None,
+        q_heads=cfg.num_heads, kv_heads=spec.num_kv_heads, eps=cfg.rms_norm_eps, weight_offset=cfg.norm_weight_offset,
+        v_norm=cfg.is_gemma4, dtype=x.dtype)
+    if writes:
         cache["keys"][index], cache["values"][index] = keys, values
     return q.reshape(B, T, spec.num_kv_heads, cfg.num_heads // spec.num_kv_heads, hd)
 

@@ -54,12 +54,12 @@ def build_hf_model(variant: str, seed: int = 0, **overrides):
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig
 
-    spec = dict(VARIANTS[variant], **overrides)
+    spec = {**_COMMON, **VARIANTS[variant], **overrides}  # overrides may change a common field too
     family = spec.pop("family")
     if family == "gemma3":
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**_COMMON, **spec))
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**spec))
     else:
-        model = Gemma4ForCausalLM(Gemma4TextConfig(**_COMMON, **spec))
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**spec))
     # Gemma 3 norms scale by (1 + w): centre those at 0; Gemma 4 norms and scalars at 1.
     redraw(model, torch.Generator().manual_seed(seed), norm_centre=0.0 if family == "gemma3" else 1.0)
     return model.eval()

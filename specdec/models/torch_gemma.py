@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models import decode_attention, skinny_gemm
+from specdec.models.decode_plan import SPLIT_MAX_ROWS, reduction_splits
 from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tp_parts, rope_inv_freq,
                                    tp_split_axis, vocab_rows)
 
@@ -87,18 +88,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if splits > 1:
             return sum_products(split_products(x, weight, splits), x)
     return F.linear(x, weight)
-
-
-SPLIT_MAX_ROWS = 32  # products of more rows keep one GEMM (reduction_splits)
-
-
-def reduction_splits(rows: int, columns: int, reduction: int) -> int:
-    """1, or the slices `linear` splits a product's reduction into: for at most SPLIT_MAX_ROWS rows, where a weight's
-    128-column tiles would not reach half an H100's or H200's 132 SMs, 4 or 2 slices of a multiple of 64 (4 at
-    most: 8 was slower on an H200 for E4B's down projection)."""
-    if rows > SPLIT_MAX_ROWS or columns > 66 * 128:
-        return 1
-    return next((s for s in (4, 2) if reduction % (64 * s) == 0), 1)
 
 
 def split_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
