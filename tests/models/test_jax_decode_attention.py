@@ -298,7 +298,8 @@ def test_the_engine_with_the_inputs_kernel_decodes_what_it_decodes_without(tmp_p
 @pytest.mark.parametrize("name", list(INPUT_SHAPES))
 def test_the_compiled_inputs_kernel_in_bf16_against_float64(name):
     """Within a bf16 step of the largest exact value (a head, slot or rotation gone wrong is off by the values
-    themselves), as the XLA layers in bf16 are, and the slots it does not write untouched."""
+    themselves), as the XLA layers in bf16 are, and the slots it does not write untouched (in place: the cache is the
+    output's buffer)."""
     shape = INPUT_SHAPES[name]
     _, _, q_heads, kv_heads, head_dim, _, _, writes = shape
     args = inputs_case(shape, seed=7, dtype=jnp.bfloat16)
@@ -312,6 +313,8 @@ def test_the_compiled_inputs_kernel_in_bf16_against_float64(name):
             step = 2.0**-7 * np.abs(want).max()
             errors = [np.abs(np.asarray(t, np.float64) - want).max() for t in (got, xla)]
             assert max(errors) <= step, (errors, step)
-    if writes:
-        assert np.array_equal(np.asarray(ours[1], np.float32) != np.asarray(args[6], np.float32),
-                              np.asarray(theirs[1], np.float32) != np.asarray(args[6], np.float32))
+    if writes:  # (a written value may equal the noise it replaced: bf16 has few)
+        written = np.zeros(args[6].shape[:3], bool)
+        for row, slots in enumerate(np.asarray(args[5])):
+            written[row, :, slots] = True
+        assert np.array_equal(np.asarray(ours[1])[~written], np.asarray(args[6])[~written])
