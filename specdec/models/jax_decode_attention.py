@@ -101,7 +101,8 @@ def _inputs_kernel(proj_ref, q_weight_ref, k_weight_ref, cos_ref, sin_ref, slot_
         scale = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) * (0.5 / half) + eps)[:, None]
         x1, x2 = x1 * scale, x2 * scale
         if weight_ref is not None:
-            x1, x2 = (x * (weight_offset + weight_ref[h].astype(jnp.float32))[None, :] for x, h in zip((x1, x2), halves))
+            x1, x2 = (x * (weight_offset + weight_ref[h].astype(jnp.float32))[None, :]
+                      for x, h in zip((x1, x2), halves))
         return x1.astype(dtype).astype(jnp.float32), x2.astype(dtype).astype(jnp.float32)
 
     def rotated(x1, x2):  # RoPE's rotate-half: the first half pairs with the second

@@ -169,7 +169,8 @@ def test_the_compiled_kernel_in_bf16_against_float64(name):
 
 # -- the q/k/v epilogue kernel (inputs) ---------------------------------------------------------------------------
 
-INPUT_SHAPES = {  # batch, tokens, query heads, KV heads, head_dim, slots, Gemma 4, whether it writes keys (KV-shared: not)
+# batch, tokens, query heads, KV heads, head_dim, slots, Gemma 4, whether it writes keys (a KV-shared layer does not)
+INPUT_SHAPES = {
     "270m": (1, 8, 4, 1, 256, 576, False, True),
     "e4b sliding": (1, 8, 8, 2, 256, 576, True, True),
     "e4b full, 512-wide heads": (1, 8, 8, 2, 512, 1024, True, True),
