@@ -407,8 +407,8 @@ def _fused_inputs(params: Params, cfg: GemmaConfig, spec: LayerSpec, names, x, c
     """A decode forward's q [B, T, n_kv, groups, hd], normed and rotated, by jax_decode_attention.inputs, which also
     writes the layer's new keys and values into `cache`; None where that kernel does not take the layer (a prefill,
     tensor-parallel parts, k_eq_v, weights not packed, or shapes it does not take). The projection's reduction is
-    split as torch's is (reduction_splits), and the kernel adds the splits: where XLA splits it on its own, a kernel
-    of its own adds them, which fused into the norm after it before."""
+    split as torch's is (reduction_splits) and the kernel adds the splits: left to XLA, its own split is summed by a
+    kernel of its own, since that sum cannot fuse into the kernel as it fused into q's norm."""
     B, T, _ = x.shape
     p, kind, hd = f"layers.{spec.index}.self_attn.", spec.kind, spec.head_dim
     weight = params.get(packed_name(p, names) if len(names) > 1 else f"{p}q_proj.weight")

@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models import decode_attention, skinny_gemm
-from specdec.models.decode_plan import SPLIT_MAX_ROWS, reduction_splits
 from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tp_parts, rope_inv_freq,
                                    tp_split_axis, vocab_rows)
+from specdec.models.decode_plan import SPLIT_MAX_ROWS, reduction_splits
 
 # Experts are gathered per token while that reads fewer weights than running every expert densely.
 def _gather_experts(num_tokens: int, top_k: int, num_experts: int) -> bool:
