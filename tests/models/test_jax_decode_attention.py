@@ -111,6 +111,18 @@ def plain_and_speculative(engine) -> tuple[list[int], list[int]]:
     return plain, engine.generate_fused(PROMPT, NEW_TOKENS, draft_fn=draft_fn)
 
 
+def reference_plain_and_speculative(path, calls: list) -> tuple[list[int], list[int], list[int]]:
+    """Greedy plain decode without the kernels (XLA's layers; `calls` stays empty), then plain_and_speculative with
+    them, interpreted; float32 throughout."""
+    with in_float32(interpreted=False):
+        reference = JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX).generate(
+            PROMPT, NEW_TOKENS)
+    assert not calls
+    with in_float32():
+        return reference, *plain_and_speculative(
+            JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX))
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list:
     """The key shapes of the forwards traced through the kernel."""
@@ -125,14 +137,7 @@ def test_the_engine_with_the_kernel_decodes_what_it_decodes_without(random_check
     """Greedy plain decode through the kernel (interpreted, fp32) emits the XLA attention's tokens, and speculative
     decoding inside the fused loop emits exactly the plain decode's. gemma4_dense's globals are k_eq_v, whose keys
     the layer rebuilds before the kernel reads them."""
-    path = random_checkpoints[variant]
-    with in_float32(interpreted=False):
-        reference = JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX).generate(
-            PROMPT, NEW_TOKENS)
-    assert not kernel_calls
-    with in_float32():
-        plain, speculative = plain_and_speculative(
-            JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX))
+    reference, plain, speculative = reference_plain_and_speculative(random_checkpoints[variant], kernel_calls)
     assert {slots for _, _, slots, _ in kernel_calls} == {64, 128}  # the sliding ring and the full cache
     assert plain == reference
     assert speculative == plain
@@ -281,13 +286,7 @@ def test_the_engine_with_the_inputs_kernel_decodes_what_it_decodes_without(tmp_p
     decoding in the fused loop the plain decode's. A hidden size of 128 splits the projections' reduction in two
     (reduction_splits), which the kernel adds; gemma4_e's KV-shared layers take the kernel for q alone."""
     path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128)
-    with in_float32(interpreted=False):
-        reference = JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX).generate(
-            PROMPT, NEW_TOKENS)
-    assert not inputs_calls
-    with in_float32():
-        plain, speculative = plain_and_speculative(
-            JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX))
+    reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls)
     assert {splits for splits, _ in inputs_calls} == {2}
     assert {writes for _, writes in inputs_calls} == ({True, False} if variant == "gemma4_e" else {True})
     assert plain == reference
