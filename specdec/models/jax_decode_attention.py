@@ -30,13 +30,19 @@ _interpret = False  # tests: run the kernel through Pallas's interpreter on any 
 
 @contextlib.contextmanager
 def interpreted():
-    """Inside, forwards traced on any backend (the CPU too) take the kernel, run by Pallas's interpreter."""
+    """Inside, forwards traced on any backend (the CPU too) take the Pallas kernels (these and jax_decode_norms'), run
+    by Pallas's interpreter."""
     global _interpret
     before, _interpret = _interpret, True
     try:
         yield
     finally:
         _interpret = before
+
+
+def interpreting() -> bool:
+    """Whether Pallas kernels built now run through the interpreter (inside interpreted())."""
+    return _interpret
 
 
 @functools.cache
@@ -50,6 +56,12 @@ def _pallas_triton() -> bool:
     return True
 
 
+def on_device(dtype) -> bool:
+    """Whether a decode forward in `dtype` runs Pallas kernels: bf16/fp16 on a GPU with Pallas's Triton backend, or
+    any inside interpreted()."""
+    return _interpret or (jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and _pallas_triton())
+
+
 def takes(q, keys, softcap: float | None) -> bool:
     """Whether a decode forward's attention of q [B, T, n_kv, groups, hd] over keys [B, n_kv, slots, hd] runs here:
     bf16/fp16 on a GPU with Pallas's Triton backend (or interpreted()), a power-of-two head_dim of 16-256, rows
@@ -57,9 +69,7 @@ def takes(q, keys, softcap: float | None) -> bool:
     combine's rows are whole tokens), and no logit softcap (no Gemma 3 or 4 has one)."""
     _, tokens, kv_heads, groups, head_dim = q.shape
     slots = keys.shape[2]
-    on_device = _interpret or (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-                               and _pallas_triton())
-    return (on_device and softcap is None and 16 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
+    return (on_device(q.dtype) and softcap is None and 16 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
             and tokens * groups % BLOCK_M == 0 and slots % plan(slots, head_dim, kv_heads)["chunk"] == 0
             and groups <= COMBINE_ROWS and groups & (groups - 1) == 0)
 
@@ -68,10 +78,8 @@ def takes_inputs(q_heads: int, kv_heads: int, head_dim: int, dtype) -> bool:
     """Whether a decode forward's q/k/v epilogue of a layer with `q_heads` over `kv_heads` runs in inputs(): bf16/fp16
     on a GPU with Pallas's Triton backend (or interpreted()), and whole tiles of a KV head's query heads by half a head
     (powers of two)."""
-    on_device = _interpret or (jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
-                               and _pallas_triton())
     groups = q_heads // kv_heads
-    return (on_device and q_heads % kv_heads == 0 and all(n & (n - 1) == 0 for n in (groups, head_dim))
+    return (on_device(dtype) and q_heads % kv_heads == 0 and all(n & (n - 1) == 0 for n in (groups, head_dim))
             and head_dim >= 16)
 
 

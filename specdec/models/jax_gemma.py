@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec.models import jax_decode_attention
+from specdec.models import jax_decode_attention, jax_decode_norms
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
 from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq, vocab_rows
 from specdec.models.decode_plan import reduction_splits
@@ -177,6 +177,20 @@ def reset_cache(cache: Cache) -> Cache:
 
 def _linear(x, weight):
     return x @ weight.T
+
+
+def _split_product(x, weight):
+    """x [B, T, K] by weight [N, K] as the products of its reduction's slices, [splits, B, T, N]: split as torch's
+    are (reduction_splits), in float32, for a kernel that adds them in order and rounds the sum as _linear's product
+    rounds; one slice holds _linear's product itself. The slices are views: [B, T, splits, part] by
+    [N, splits, part], as torch_gemma.split_products' are."""
+    B, T, reduction = x.shape
+    columns = weight.shape[0]
+    splits = reduction_splits(B * T, columns, reduction)
+    if splits == 1:
+        return _linear(x, weight)[None]
+    return jax.lax.dot_general(x.reshape(B, T, splits, -1), weight.reshape(columns, splits, -1),
+                               (((3,), (2,)), ((2,), (1,))), preferred_element_type=jnp.float32)
 
 
 def _gelu(x):
@@ -351,7 +365,8 @@ def _project_kv(params: Params, cfg: GemmaConfig, spec: LayerSpec, raw_k, raw_v,
 
 
 def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache: Cache, shared_kv, writes,
-               parts: Parts | None = None):
+               parts: Parts | None = None, split: bool = False):
+    """The layer's attention output: o_proj's product, or with `split` the slices of its reduction (_split_product)."""
     B, T, _ = x.shape
     p = f"layers.{spec.index}.self_attn."
     hd, kind = spec.head_dim, spec.kind
@@ -399,6 +414,8 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
             kv = [(k_old, v_old)] if ctx["commit_first"] else [(k_old, v_old), (heads(k_new), heads(v_new))]
             out = _attend(cfg, q, kv, ctx["mask"][kind])
         outs.append(out.reshape(B, T, -1))
+    if split:
+        return _split_product(outs[0], params[p + "o_proj.weight"])
     return _row_parallel(params, p + "o_proj.weight", outs, parts)
 
 
@@ -415,16 +432,10 @@ def _fused_inputs(params: Params, cfg: GemmaConfig, spec: LayerSpec, names, x, c
     if (not ctx["commit_first"] or parts is not None or spec.k_eq_v or weight is None
             or not jax_decode_attention.takes_inputs(cfg.num_heads, spec.num_kv_heads, hd, x.dtype)):
         return None
-    columns, reduction = weight.shape
-    splits = reduction_splits(B * T, columns, reduction)
-    if splits == 1:
-        partials = _linear(x, weight)[None]
-    else:  # [B, T, splits, part] by [columns, splits, part]: views, as torch_gemma.split_products' slices
-        partials = jax.lax.dot_general(x.reshape(B, T, splits, -1), weight.reshape(columns, splits, -1),
-                                       (((3,), (2,)), ((2,), (1,))), preferred_element_type=jnp.float32)
+    partials = _split_product(x, weight)
     index, writes = spec.index, spec.owns_cache
     q, keys, values = jax_decode_attention.inputs(
-        partials.reshape(splits, B, T, -1, hd), params[p + "q_norm.weight"],
+        partials.reshape(partials.shape[0], B, T, -1, hd), params[p + "q_norm.weight"],
         params[p + "k_norm.weight"] if writes else None, ctx["cos"][kind][:, :, 0], ctx["sin"][kind][:, :, 0],
         ctx["slots"][kind][1], cache["keys"][index] if writes else None, cache["values"][index] if writes else None,
         q_heads=cfg.num_heads, kv_heads=spec.num_kv_heads, eps=cfg.rms_norm_eps, weight_offset=cfg.norm_weight_offset,
@@ -460,11 +471,14 @@ def _attend(cfg: GemmaConfig, q, kv: list, mask):
 # -- feed-forward -----------------------------------------------------------------------------------------
 
 
-def _mlp(params: Params, prefix: str, x, parts: Parts | None = None):
+def _mlp(params: Params, prefix: str, x, parts: Parts | None = None, split: bool = False):
+    """down_proj's product, or with `split` the slices of its reduction (_split_product)."""
     hidden = []
     for part in range(parts.local if parts else 1):
         gate, up = _project(params, prefix, PACKS["mlp."], x, parts=parts, part=part)
         hidden.append(_gelu(gate) * up)
+    if split:
+        return _split_product(hidden[0], params[prefix + "down_proj.weight"])
     return _row_parallel(params, prefix + "down_proj.weight", hidden, parts)
 
 
@@ -494,14 +508,34 @@ def _experts(params: Params, prefix: str, x, weights, index):
 
 
 def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_layer_input, ctx, cache, shared_kv,
-                   writes, parts: Parts | None = None):
+                   writes, parts: Parts | None = None, normed=None, next_norm=None):
+    """-> (x after the layer, x through `next_norm` or None). `normed`: x through this layer's input norm, where
+    the layer before computed it, else None. `next_norm`: the weight of the next layer's input norm, or None.
+
+    A decode forward that takes jax_decode_norms runs each residual add with the norms around it in one kernel:
+    the one after attention, and the layer's last (after down_proj, or after the per-layer projection), which also
+    norms x for the next layer where there is one and no MoE block."""
     p = f"layers.{spec.index}."
     norm = lambda name, v: _rms_norm(v, params[p + name + ".weight"], cfg)  # noqa: E731
+    kernel = ctx["commit_first"] and parts is None and jax_decode_norms.takes(cfg.hidden_size, x.dtype)
+    closes = kernel and next_norm is not None and not cfg.enable_moe_block
+    residual_norms = partial(jax_decode_norms.residual_norms, eps=cfg.rms_norm_eps,
+                             weight_offset=cfg.norm_weight_offset)
+    scale = params[p + "layer_scalar"] if cfg.is_gemma4 else None
     residual = x
-    attn = _attention(params, cfg, spec, norm("input_layernorm", x), ctx, cache, shared_kv, writes, parts)
-    x = residual + norm("post_attention_layernorm", attn)
+    attn = _attention(params, cfg, spec, norm("input_layernorm", x) if normed is None else normed, ctx, cache,
+                      shared_kv, writes, parts, split=kernel)
+    if kernel:
+        x, h = residual_norms(attn, residual, params[p + "post_attention_layernorm.weight"],
+                              params[p + "pre_feedforward_layernorm.weight"])
+    else:
+        x = residual + norm("post_attention_layernorm", attn)
+        h = norm("pre_feedforward_layernorm", x)
     residual = x
-    h = _mlp(params, p + "mlp.", norm("pre_feedforward_layernorm", x), parts)
+    if closes and not cfg.has_per_layer_inputs:
+        down = _mlp(params, p + "mlp.", h, split=True)
+        return residual_norms(down, residual, params[p + "post_feedforward_layernorm.weight"], next_norm, scale)
+    h = _mlp(params, p + "mlp.", h, parts)
     if cfg.enable_moe_block:
         flat = residual.reshape(-1, residual.shape[-1])
         weights, index = _route(params, cfg, p, flat)
@@ -511,10 +545,13 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
     x = residual + norm("post_feedforward_layernorm", h)
     if cfg.has_per_layer_inputs:
         gated = _gelu(_linear(x, params[p + "per_layer_input_gate.weight"])) * per_layer_input
+        if closes:
+            return residual_norms(_split_product(gated, params[p + "per_layer_projection.weight"]), x,
+                                  params[p + "post_per_layer_input_norm.weight"], next_norm, scale)
         x = x + norm("post_per_layer_input_norm", _linear(gated, params[p + "per_layer_projection.weight"]))
     if cfg.is_gemma4:
-        x = x * params[p + "layer_scalar"]
-    return x
+        x = x * scale
+    return x, None
 
 
 # -- the model --------------------------------------------------------------------------------------------
@@ -597,9 +634,12 @@ def forward(
     shared_kv: dict = {}
     writes: dict = {}
     taps = {}
-    for spec in cfg.layers:
+    normed = None  # x through the next layer's input norm, where a layer computed it
+    for spec, after in itertools.zip_longest(cfg.layers, cfg.layers[1:]):
         layer_input = per_layer[:, :, spec.index] if per_layer is not None else None
-        x = _decoder_layer(params, cfg, spec, x, layer_input, ctx, cache, shared_kv, writes, parts)
+        next_norm = None if after is None else params[f"layers.{after.index}.input_layernorm.weight"]
+        x, normed = _decoder_layer(params, cfg, spec, x, layer_input, ctx, cache, shared_kv, writes, parts, normed,
+                                   next_norm)
         if spec.index in hidden_layers:
             taps[spec.index] = x
     new_cache = cache if commit_first else _commit(cfg, cache, writes, positions, x)

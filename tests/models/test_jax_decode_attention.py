@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec.models import jax_decode_attention
+from specdec.models import jax_decode_attention, jax_decode_norms
 from specdec.models.jax_gemma import _apply_rope, _rms_norm, _rope_cos_sin
 from specdec.models.random_init import write_random_checkpoint
 from specdec.verifiers.jax_engine import JaxEngine
@@ -111,13 +111,13 @@ def plain_and_speculative(engine) -> tuple[list[int], list[int]]:
     return plain, engine.generate_fused(PROMPT, NEW_TOKENS, draft_fn=draft_fn)
 
 
-def reference_plain_and_speculative(path, calls: list) -> tuple[list[int], list[int], list[int]]:
-    """Greedy plain decode without the kernels (XLA's layers; `calls` stays empty), then plain_and_speculative with
-    them, interpreted; float32 throughout."""
+def reference_plain_and_speculative(path, *calls: list) -> tuple[list[int], list[int], list[int]]:
+    """Greedy plain decode without the kernels (XLA's layers; each of `calls` stays empty), then
+    plain_and_speculative with them, interpreted; float32 throughout."""
     with in_float32(interpreted=False):
         reference = JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX).generate(
             PROMPT, NEW_TOKENS)
-    assert not calls
+    assert not any(calls)
     with in_float32():
         return reference, *plain_and_speculative(
             JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX))
@@ -280,15 +280,33 @@ def inputs_calls(monkeypatch) -> list:
     return calls
 
 
+@pytest.fixture
+def norms_calls(monkeypatch) -> list:
+    """(the product's splits, whether a layer scalar scales x) of the residual adds traced through
+    jax_decode_norms' kernel."""
+    calls = []
+
+    def counted(*args, residual_norms=jax_decode_norms.residual_norms, **kwargs):
+        calls.append((args[0].shape[0], len(args) > 4 and args[4] is not None))
+        return residual_norms(*args, **kwargs)
+
+    monkeypatch.setattr(jax_decode_norms, "residual_norms", counted)
+    return calls
+
+
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_e"])
-def test_the_engine_with_the_inputs_kernel_decodes_what_it_decodes_without(tmp_path, variant, inputs_calls):
+def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, variant, inputs_calls, norms_calls):
     """Greedy plain decode through every kernel (interpreted, fp32) emits the XLA layers' tokens, and speculative
     decoding in the fused loop the plain decode's. A hidden size of 128 splits the projections' reduction in two
-    (reduction_splits), which the kernel adds; gemma4_e's KV-shared layers take the kernel for q alone."""
-    path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128)
-    reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls)
+    (reduction_splits), which the kernels add; gemma4_e's KV-shared layers take the inputs kernel for q alone.
+    Residual adds: after attention, on o_proj's product (a reduction of 64 on sliding layers: one product; of 128 on
+    gemma4_e's full layers: two slices); each layer's last but the last layer's, on down_proj's product (an
+    intermediate size of 128: two slices), or on gemma4_e's per-layer projection (one product) and layer scalar."""
+    path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128)
+    reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls)
     assert {splits for splits, _ in inputs_calls} == {2}
     assert {writes for _, writes in inputs_calls} == ({True, False} if variant == "gemma4_e" else {True})
+    assert set(norms_calls) == ({(1, False), (2, False), (1, True)} if variant == "gemma4_e" else {(1, False), (2, False)})
     assert plain == reference
     assert speculative == plain
 

@@ -1,0 +1,105 @@
+"""jax_decode_norms: the residual-add kernel, run by Pallas's interpreter on the CPU, against the layer's own XLA path
+and a row independent of the others; on a GPU, compiled in bf16 against float32. The engine with it is tested with
+every kernel in test_jax_decode_attention.py."""
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specdec.models import jax_decode_attention, jax_decode_norms
+from specdec.models.jax_gemma import _rms_norm
+from tests.models.test_jax_decode_attention import in_float32, jax_gpu
+
+# batch, tokens, hidden, splits of the product's reduction (1: the product itself), Gemma 4 (a layer scalar)
+SHAPES = {
+    "270m": (1, 8, 640, 4, False),
+    "e4b per-layer projection: one product": (1, 8, 2560, 1, True),
+    "31b, batch 2: three runs": (2, 8, 5376, 4, True),
+    "test model": (1, 8, 128, 2, False),
+}
+
+
+def case(shape, seed: int, dtype):
+    """The splits' products (float32 where split, else in the model's dtype), the residual, the two norms' weights
+    and the layer scalar (Gemma 4; else None)."""
+    batch, tokens, hidden, splits, gemma4 = shape
+    rng = np.random.default_rng(seed)
+    partials = jnp.asarray(rng.standard_normal((splits, batch, tokens, hidden)) / splits,
+                           jnp.float32 if splits > 1 else dtype)
+    residual = jnp.asarray(rng.standard_normal((batch, tokens, hidden)) * 4, dtype)
+    post, after = (jnp.asarray(rng.standard_normal(hidden) * 0.3, dtype) for _ in range(2))
+    scale = jnp.asarray([0.7], dtype) if gemma4 else None
+    return partials, residual, post, after, scale
+
+
+def xla_residual_norms(partials, residual, post, after, scale):
+    """What jax_gemma's layer computes without the kernel: the product in the model's dtype, its norm, the residual
+    add, the layer scalar, the next norm."""
+    cfg = types.SimpleNamespace(is_gemma4=scale is not None, rms_norm_eps=1e-6,
+                                norm_weight_offset=0.0 if scale is not None else 1.0)
+    x = residual + _rms_norm(sum(partials[1:], partials[0]).astype(residual.dtype), post, cfg)
+    if scale is not None:
+        x = x * scale
+    return x, _rms_norm(x, after, cfg)
+
+
+def run(args, kernel=True):
+    gemma4 = args[4] is not None
+    fn = functools.partial(jax_decode_norms.residual_norms, eps=1e-6, weight_offset=0.0 if gemma4 else 1.0) \
+        if kernel else xla_residual_norms
+    return jax.jit(fn)(*args)
+
+
+def test_runs_are_powers_of_two_covering_the_row():
+    assert jax_decode_norms.runs(640) == [(0, 512), (512, 128)]
+    assert jax_decode_norms.runs(5376) == [(0, 4096), (4096, 1024), (5120, 256)]
+    assert jax_decode_norms.runs(128) == [(0, 128)]
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_kernel_computes_what_the_layer_computes_without_it(name):
+    args = case(SHAPES[name], seed=1, dtype=jnp.float32)
+    with in_float32():
+        assert jax_decode_norms.takes(SHAPES[name][2], jnp.float32)
+        ours = run(args)
+    theirs = run(args, kernel=False)
+    for got, want in zip(ours, theirs):
+        assert got.shape == want.shape
+        assert np.abs(np.asarray(got) - np.asarray(want)).max() < 1e-5 * np.abs(np.asarray(want)).max()
+
+
+def test_a_rows_outputs_depend_on_its_own_row_alone():
+    args = case(SHAPES["31b, batch 2: three runs"], seed=2, dtype=jnp.float32)
+    other = (args[0].at[:, :, 1:].set(-args[0][:, :, 1:]), args[1].at[:, 1:].multiply(2)) + args[2:]
+    with in_float32():
+        first, again = run(args), run(other)
+    for a, b in zip(first, again):
+        assert np.array_equal(np.asarray(a[:, 0]), np.asarray(b[:, 0]))
+        assert not np.array_equal(np.asarray(a[:, 1]), np.asarray(b[:, 1]))
+
+
+def test_what_the_kernel_does_not_take():
+    with jax_decode_attention.interpreted():
+        assert not jax_decode_norms.takes(31, jnp.bfloat16)  # five runs: 16, 8, 4, 2, 1
+    if jax.default_backend() != "gpu":
+        assert not jax_decode_norms.takes(640, jnp.bfloat16)  # compiled on GPUs alone
+
+
+@pytest.mark.gpu
+@jax_gpu
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_compiled_kernel_in_bf16_against_float32(name):
+    """Within a bf16 step of the largest float32 value, as the XLA layer in bf16 is: a run, row or split gone wrong is
+    off by the values themselves."""
+    args = case(SHAPES[name], seed=3, dtype=jnp.bfloat16)
+    assert jax_decode_norms.takes(SHAPES[name][2], jnp.bfloat16)
+    exact = run(tuple(None if a is None else a.astype(jnp.float32) for a in args), kernel=False)
+    for got, xla, want in zip(run(args), run(args, kernel=False), exact):
+        want = np.asarray(want, np.float64)
+        step = 2.0**-7 * np.abs(want).max()
+        errors = [np.abs(np.asarray(t, np.float64) - want).max() for t in (got, xla)]
+        assert max(errors) <= step, (errors, step)
