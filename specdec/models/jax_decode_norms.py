@@ -3,9 +3,9 @@
 A Gemma layer adds a normed product to its residual twice, and norms the sum for what follows: after o_proj,
 `x = residual + post_attention_norm(attn)` and `pre_feedforward_norm(x)`; after down_proj (or, with per-layer inputs,
 the per-layer projection), `x = residual + post_norm(h)`, Gemma 4's layer scalar, and the next layer's input norm.
-XLA ran the first as one kernel and the second as two, on the 270M (docs/benchmarks.md). residual_norms runs each as
-one, a program a row, which also adds the splits of the product's reduction (decode_plan.reduction_splits) that XLA
-had fused into its norms.
+XLA ran the first as one kernel and the second as two on the 270M, and took 3.4-5.1 us a kernel on E4B's wider rows
+(docs/benchmarks.md). residual_norms runs each as one, a program a row, which also adds the splits of the product's
+reduction (decode_plan.reduction_splits) that XLA had fused into its norms.
 
 Triton's loads are powers of two, and hidden sizes are not (640, 2,560, 5,376): a row is read and written in
 power-of-two runs of its columns (runs()).
@@ -40,7 +40,8 @@ def takes(hidden: int, dtype) -> bool:
 
 def _warps(hidden: int) -> int:
     """Warps a program: 8 for rows of up to 1,024 columns, else 16. A call on the 270M's rows took 2.7, 2.4 and
-    2.3 us with 1, 4 and 8 warps; on E4B's, 4.1, 3.3 and 2.9 us with 4, 8 and 16 (H200)."""
+    2.3 us with 1, 4 and 8 warps; on E4B's, 4.1, 3.3 and 2.9 us with 4, 8 and 16 (H200). The 31B's rows ran with
+    8 alone."""
     return 8 if hidden <= 1024 else 16
 
 
