@@ -74,6 +74,13 @@ def takes(q, keys, softcap: float | None) -> bool:
             and groups <= COMBINE_ROWS and groups & (groups - 1) == 0)
 
 
+def summed_splits(load, splits: int, dtype):
+    """Inside a kernel: the float32 products `load(s)` of a reduction's splits s, added in order and rounded as one
+    product in the model's `dtype` is, on in float32."""
+    return functools.reduce(lambda total, s: total + load(s).astype(jnp.float32), range(1, splits),
+                            load(0).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+
+
 def takes_inputs(q_heads: int, kv_heads: int, head_dim: int, dtype) -> bool:
     """Whether a decode forward's q/k/v epilogue of a layer with `q_heads` over `kv_heads` runs in inputs(): bf16/fp16
     on a GPU with Pallas's Triton backend (or interpreted()), and whole tiles of a KV head's query heads by half a head
@@ -98,10 +105,8 @@ def _inputs_kernel(proj_ref, q_weight_ref, k_weight_ref, cos_ref, sin_ref, slot_
     def projected(first, count: int):
         """Heads first.. of the token's projection, its halves apart, [count, half] float32 twice: the splits'
         products added in order and rounded as a product in the model's dtype is."""
-        return tuple(functools.reduce(lambda total, s: total + proj_ref[s, token, position, pl.ds(first, count), h]
-                                      .astype(jnp.float32), range(1, proj_ref.shape[0]),
-                                      proj_ref[0, token, position, pl.ds(first, count), h].astype(jnp.float32))
-                     .astype(dtype).astype(jnp.float32) for h in halves)
+        return tuple(summed_splits(lambda s: proj_ref[s, token, position, pl.ds(first, count), h],
+                                   proj_ref.shape[0], dtype) for h in halves)
 
     def normed(first, count: int, weight_ref):
         """Through the RMS norm, rounded as jax_gemma._rms_norm rounds (weight_ref None: Gemma 4's scale-free norm)."""

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specdec.models.jax_decode_attention import interpreting, on_device
+from specdec.models.jax_decode_attention import interpreting, on_device, summed_splits
 
 
 def runs(hidden: int) -> list[tuple[int, int]]:
@@ -61,9 +61,8 @@ def _kernel(partials_ref, residual_ref, post_ref, next_ref, scale_ref, x_ref, no
         return [rounded(part * scale * (weight_offset + weight_ref[c].astype(jnp.float32)))
                 for part, c in zip(parts, columns)]
 
-    products = [rounded(functools.reduce(lambda total, s: total + partials_ref[s, row, c].astype(jnp.float32),
-                                         range(1, partials_ref.shape[0]), partials_ref[0, row, c].astype(jnp.float32)))
-                for c in columns]  # the splits added in order: what one product in the model's dtype gives
+    products = [summed_splits(lambda s: partials_ref[s, row, c], partials_ref.shape[0], dtype)
+                for c in columns]
     x = [rounded(residual_ref[row, c].astype(jnp.float32) + post)
          for post, c in zip(normed(products, post_ref), columns)]
     if scaled:  # Gemma 4's layer scalar
