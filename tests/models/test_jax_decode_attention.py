@@ -123,13 +123,22 @@ def reference_plain_and_speculative(path, *calls: list) -> tuple[list[int], list
             JaxEngine.from_checkpoint(path, dtype=jnp.float32, max_seq_len=128, k_max=K_MAX))
 
 
+def recorded_calls(monkeypatch, module, name: str, record) -> list:
+    """record(args) for each call of module.name traced from now on (the function patched to note it, then run)."""
+    calls = []
+
+    def noted(*args, function=getattr(module, name), **kwargs):
+        calls.append(record(args))
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, noted)
+    return calls
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list:
     """The key shapes of the forwards traced through the kernel."""
-    calls = []
-    monkeypatch.setattr(jax_decode_attention, "attend",
-                        lambda *a, attend=jax_decode_attention.attend: calls.append(a[1].shape) or attend(*a))
-    return calls
+    return recorded_calls(monkeypatch, jax_decode_attention, "attend", lambda args: args[1].shape)
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_dense"])
@@ -200,10 +209,15 @@ def inputs_case(shape, seed: int, dtype):
     return partials, q_weight, k_weight, cos, sin, positions % slots, *cache
 
 
+def norm_config(gemma4: bool):
+    """The config fields jax_gemma's norms read: Gemma 4 scales by w, Gemma 3 by 1 + w."""
+    return types.SimpleNamespace(is_gemma4=gemma4, rms_norm_eps=1e-6, norm_weight_offset=0.0 if gemma4 else 1.0)
+
+
 def xla_inputs(partials, q_weight, k_weight, cos, sin, slots, keys, values, *, q_heads, gemma4):
     """What jax_gemma's decode forward computes without the kernel: the product in the model's dtype, then its own
     norm, RoPE and cache writes."""
-    cfg = types.SimpleNamespace(is_gemma4=gemma4, rms_norm_eps=1e-6, norm_weight_offset=0.0 if gemma4 else 1.0)
+    cfg = norm_config(gemma4)
     projected = sum(partials[1:], partials[0]).astype(cos.dtype)
     kv_heads = (projected.shape[2] - q_heads) // 2
     rope = lambda x: _apply_rope(x, cos[:, :, None], sin[:, :, None])  # noqa: E731
@@ -219,8 +233,9 @@ def xla_inputs(partials, q_weight, k_weight, cos, sin, slots, keys, values, *, q
 
 def run_inputs(args, shape, kernel=True):
     _, _, q_heads, kv_heads, _, _, gemma4, _ = shape
-    fn = functools.partial(jax_decode_attention.inputs, q_heads=q_heads, kv_heads=kv_heads, eps=1e-6,
-                           weight_offset=0.0 if gemma4 else 1.0, v_norm=gemma4, dtype=args[3].dtype) if kernel else \
+    cfg = norm_config(gemma4)
+    fn = functools.partial(jax_decode_attention.inputs, q_heads=q_heads, kv_heads=kv_heads, eps=cfg.rms_norm_eps,
+                           weight_offset=cfg.norm_weight_offset, v_norm=gemma4, dtype=args[3].dtype) if kernel else \
         functools.partial(xla_inputs, q_heads=q_heads, gemma4=gemma4)
     return jax.jit(fn)(*args)
 
@@ -270,28 +285,16 @@ def test_what_the_inputs_kernel_does_not_take():
 @pytest.fixture
 def inputs_calls(monkeypatch) -> list:
     """(the projection's splits, whether the layer writes keys) of the layers traced through the inputs kernel."""
-    calls = []
-
-    def counted(*args, inputs=jax_decode_attention.inputs, **kwargs):
-        calls.append((args[0].shape[0], args[6] is not None))
-        return inputs(*args, **kwargs)
-
-    monkeypatch.setattr(jax_decode_attention, "inputs", counted)
-    return calls
+    return recorded_calls(monkeypatch, jax_decode_attention, "inputs",
+                          lambda args: (args[0].shape[0], args[6] is not None))
 
 
 @pytest.fixture
 def norms_calls(monkeypatch) -> list:
     """(the product's splits, whether a layer scalar scales x) of the residual adds traced through
     jax_decode_norms' kernel."""
-    calls = []
-
-    def counted(*args, residual_norms=jax_decode_norms.residual_norms, **kwargs):
-        calls.append((args[0].shape[0], len(args) > 4 and args[4] is not None))
-        return residual_norms(*args, **kwargs)
-
-    monkeypatch.setattr(jax_decode_norms, "residual_norms", counted)
-    return calls
+    return recorded_calls(monkeypatch, jax_decode_norms, "residual_norms",
+                          lambda args: (args[0].shape[0], len(args) > 4 and args[4] is not None))
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_e"])

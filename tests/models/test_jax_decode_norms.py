@@ -3,7 +3,6 @@ and a row independent of the others; on a GPU, compiled in bf16 against float32.
 every kernel in test_jax_decode_attention.py."""
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ import pytest
 
 from specdec.models import jax_decode_attention, jax_decode_norms
 from specdec.models.jax_gemma import _rms_norm
-from tests.models.test_jax_decode_attention import in_float32, jax_gpu
+from tests.models.test_jax_decode_attention import in_float32, jax_gpu, norm_config
 
 # batch, tokens, hidden, splits of the product's reduction (1: the product itself), Gemma 4 (a layer scalar)
 SHAPES = {
@@ -39,8 +38,7 @@ def case(shape, seed: int, dtype):
 def xla_residual_norms(partials, residual, post, after, scale):
     """What jax_gemma's layer computes without the kernel: the product in the model's dtype, its norm, the residual
     add, the layer scalar, the next norm."""
-    cfg = types.SimpleNamespace(is_gemma4=scale is not None, rms_norm_eps=1e-6,
-                                norm_weight_offset=0.0 if scale is not None else 1.0)
+    cfg = norm_config(gemma4=scale is not None)
     x = residual + _rms_norm(sum(partials[1:], partials[0]).astype(residual.dtype), post, cfg)
     if scale is not None:
         x = x * scale
@@ -48,9 +46,9 @@ def xla_residual_norms(partials, residual, post, after, scale):
 
 
 def run(args, kernel=True):
-    gemma4 = args[4] is not None
-    fn = functools.partial(jax_decode_norms.residual_norms, eps=1e-6, weight_offset=0.0 if gemma4 else 1.0) \
-        if kernel else xla_residual_norms
+    cfg = norm_config(gemma4=args[4] is not None)
+    fn = functools.partial(jax_decode_norms.residual_norms, eps=cfg.rms_norm_eps,
+                           weight_offset=cfg.norm_weight_offset) if kernel else xla_residual_norms
     return jax.jit(fn)(*args)
 
 
