@@ -38,11 +38,11 @@ def plan(slots: int, head_dim: int, kv_heads: int) -> dict:
 SPLIT_MAX_ROWS = 32  # products of more rows keep one GEMM (reduction_splits)
 
 
-def reduction_splits(rows: int, columns: int, reduction: int) -> int:
+def reduction_splits(rows: int, columns: int, reduction: int, multiple: int = 64) -> int:
     """1, or the slices a product of `rows` rows with a [columns, reduction] weight splits its reduction into (torch:
-    torch_gemma.linear; JAX: a decode forward's q/k/v): for at most SPLIT_MAX_ROWS rows, where a weight's 128-column
-    tiles would not reach half an H100's or H200's 132 SMs, 4 or 2 slices of a multiple of 64 (4 at most: 8 was
-    slower on an H200 for E4B's down projection)."""
+    torch_gemma.linear; JAX: a decode forward's q/k/v, o_proj, gate/up and down): for at most SPLIT_MAX_ROWS rows,
+    where a weight's 128-column tiles would not reach half an H100's or H200's 132 SMs, 4 or 2 slices of a multiple
+    of `multiple` (4 at most: 8 was slower on an H200 for E4B's down projection)."""
     if rows > SPLIT_MAX_ROWS or columns > 66 * 128:
         return 1
-    return next((s for s in (4, 2) if reduction % (64 * s) == 0), 1)
+    return next((s for s in (4, 2) if reduction % (multiple * s) == 0), 1)

@@ -179,18 +179,32 @@ def _linear(x, weight):
     return x @ weight.T
 
 
-def _split_product(x, weight):
+def _split_product(x, weight, multiple: int = 64):
     """x [B, T, K] by weight [N, K] as the products of its reduction's slices, [splits, B, T, N]: split as torch's
-    are (reduction_splits), in float32, for a kernel that adds them in order and rounds the sum as _linear's product
-    rounds; one slice holds _linear's product itself. The slices are views: [B, T, splits, part] by
-    [N, splits, part], as torch_gemma.split_products' are."""
+    are (reduction_splits, slices of a multiple of `multiple`), in float32, for a kernel that adds them in order and
+    rounds the sum as _linear's product rounds; one slice holds _linear's product itself. The slices are views:
+    [B, T, splits, part] by [N, splits, part], as torch_gemma.split_products' are."""
     B, T, reduction = x.shape
     columns = weight.shape[0]
-    splits = reduction_splits(B * T, columns, reduction)
+    splits = reduction_splits(B * T, columns, reduction, multiple)
     if splits == 1:
         return _linear(x, weight)[None]
     return jax.lax.dot_general(x.reshape(B, T, splits, -1), weight.reshape(columns, splits, -1),
                                (((3,), (2,)), ((2,), (1,))), preferred_element_type=jnp.float32)
+
+
+def _split_linear(x, weight):
+    """_linear's product as _split_product's slices, added in order in float32 and rounded once. XLA ran the 270M's
+    gate/up (640 -> 4,096) as one GEMM in 8 x 64 tiles, 64 programs on 132 SMs: 4.2 us on an H200. In 4 slices of
+    160 it takes 3.7, in 2 of 320 4.0 (docs/benchmarks.md); q/k/v keeps slices of a multiple of 64, as its kernel
+    adds 4 slices slower than 2."""
+    partials = _split_product(x, weight, multiple=32)
+    if partials.shape[0] == 1:
+        return partials[0]
+    total = partials[0]
+    for partial_product in partials[1:]:
+        total = total + partial_product
+    return total.astype(x.dtype)
 
 
 def _gelu(x):
@@ -276,10 +290,12 @@ def _keys_from_stored(stored, k_norm_weight, cos, sin):
     return _apply_rope(k, cos, sin)
 
 
-def _project(params: Params, prefix: str, names, x, sizes=None, parts: Parts | None = None, part: int = 0) -> list:
+def _project(params: Params, prefix: str, names, x, sizes=None, parts: Parts | None = None, part: int = 0,
+             split: bool = False) -> list:
     """x through the linears `prefix + name` in order, each giving `sizes[i]` features (None: as many each):
-    one GEMM over their packed weight (pack_projections) when the params hold it. In `parts`: part `part` of this
-    device's block (packed in parts), whose linears give sizes / parts.count features."""
+    one GEMM over their packed weight (pack_projections) when the params hold it, or with `split` its reduction's
+    slices added (_split_linear). In `parts`: part `part` of this device's block (packed in parts), whose linears
+    give sizes / parts.count features."""
     if parts is not None:
         block = params[packed_name(prefix, names) if len(names) > 1 else f"{prefix}{names[0]}.weight"]
         rows = block.shape[0] // parts.local
@@ -290,7 +306,8 @@ def _project(params: Params, prefix: str, names, x, sizes=None, parts: Parts | N
         packed = params.get(packed_name(prefix, names))
         if packed is None:
             return [_linear(x, params[f"{prefix}{name}.weight"]) for name in names]
-    return jnp.split(_linear(x, packed), len(names) if sizes is None else np.cumsum(sizes)[:-1], axis=-1)
+    product = _split_linear(x, packed) if split and parts is None else _linear(x, packed)
+    return jnp.split(product, len(names) if sizes is None else np.cumsum(sizes)[:-1], axis=-1)
 
 
 def _own_input(x, part: int):
@@ -472,10 +489,10 @@ def _attend(cfg: GemmaConfig, q, kv: list, mask):
 
 
 def _mlp(params: Params, prefix: str, x, parts: Parts | None = None, split: bool = False):
-    """down_proj's product, or with `split` the slices of its reduction (_split_product)."""
+    """down_proj's product, or with `split` the slices of its reduction (_split_product), gate/up's then split too."""
     hidden = []
     for part in range(parts.local if parts else 1):
-        gate, up = _project(params, prefix, PACKS["mlp."], x, parts=parts, part=part)
+        gate, up = _project(params, prefix, PACKS["mlp."], x, parts=parts, part=part, split=split)
         hidden.append(_gelu(gate) * up)
     if split:
         return _split_product(hidden[0], params[prefix + "down_proj.weight"])

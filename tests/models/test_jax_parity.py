@@ -226,3 +226,19 @@ def test_real_gemma3_270m_greedy_matches_transformers():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
         expected = out[0, len(ids) :].tolist()
         assert engine.generate_fused(ids, NEW_TOKENS, eos) == expected, name
+
+
+def test_a_split_linear_is_the_product_in_slices_added_in_order():
+    """The 270M's gate/up (640 -> 4,096) at a decode forward's 8 rows runs as 4 slices of 160, added in float32 and
+    rounded once: the product itself to float32 rounding; E4B's (20,480 columns) stays one product."""
+    key_x, key_w = jax.random.split(jax.random.key(5))
+    x = jax.random.normal(key_x, (1, 8, 640), jnp.float32)
+    weight = jax.random.normal(key_w, (4096, 640), jnp.float32)
+    assert jax_gemma._split_product(x, weight, multiple=32).shape == (4, 1, 8, 4096)
+    assert jax_gemma._split_product(x, weight).shape == (2, 1, 8, 4096)  # q/k/v's slices: a multiple of 64
+    slices = np.asarray(jax_gemma._split_product(x, weight, multiple=32))
+    in_order = ((slices[0] + slices[1]) + slices[2]) + slices[3]
+    assert np.array_equal(np.asarray(jax_gemma._split_linear(x, weight)), in_order)
+    np.testing.assert_allclose(in_order, np.asarray(jax_gemma._linear(x, weight)), rtol=1e-4, atol=1e-3)
+    wide = jax.random.normal(key_w, (20480, 64), jnp.float32)
+    assert jax_gemma._split_product(x[..., :64], wide, multiple=32).shape[0] == 1

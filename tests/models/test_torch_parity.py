@@ -128,6 +128,7 @@ def test_which_products_split_their_reduction():
     assert reduction_splits(16, 20480, 2560) == 1
     assert reduction_splits(64, 2560, 2048) == 1
     assert reduction_splits(16, 2560, 96) == 1  # no slice of a multiple of 64
+    assert reduction_splits(16, 4096, 640, multiple=32) == 4  # JAX's gate/up for the 270M: slices of 160
 
 
 @pytest.mark.gpu
