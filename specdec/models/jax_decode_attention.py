@@ -75,8 +75,8 @@ def takes(q, keys, softcap: float | None) -> bool:
 
 
 def summed_splits(load, splits: int, dtype):
-    """Inside a kernel: the float32 products `load(s)` of a reduction's splits s, added in order and rounded as one
-    product in the model's `dtype` is, on in float32."""
+    """The float32 products `load(s)` of a reduction's splits s (in a kernel, or arrays outside one), added in order
+    and rounded as one product in the model's `dtype` is, on in float32."""
     return functools.reduce(lambda total, s: total + load(s).astype(jnp.float32), range(1, splits),
                             load(0).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
 

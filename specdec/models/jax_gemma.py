@@ -201,10 +201,7 @@ def _split_linear(x, weight):
     partials = _split_product(x, weight, multiple=32)
     if partials.shape[0] == 1:
         return partials[0]
-    total = partials[0]
-    for partial_product in partials[1:]:
-        total = total + partial_product
-    return total.astype(x.dtype)
+    return jax_decode_attention.summed_splits(lambda s: partials[s], partials.shape[0], x.dtype).astype(x.dtype)
 
 
 def _gelu(x):
@@ -306,7 +303,7 @@ def _project(params: Params, prefix: str, names, x, sizes=None, parts: Parts | N
         packed = params.get(packed_name(prefix, names))
         if packed is None:
             return [_linear(x, params[f"{prefix}{name}.weight"]) for name in names]
-    product = _split_linear(x, packed) if split and parts is None else _linear(x, packed)
+    product = _split_linear(x, packed) if split else _linear(x, packed)
     return jnp.split(product, len(names) if sizes is None else np.cumsum(sizes)[:-1], axis=-1)
 
 
