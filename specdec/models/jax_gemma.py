@@ -631,12 +631,14 @@ def forward(
     last_only: bool = False,
     commit_first: bool = False,
     parts: Parts | None = None,
+    head_barrier: bool = False,
 ):
     """Run tokens [B, T] at positions [B, T] (contiguous per row) against the cache and commit them.
     Returns (float32 logits [B, T, V] ([B, 1, V] with last_only), the hidden states after `hidden_layers`
     [B, T, len(hidden_layers), H] or None, the new cache). `commit_first` runs it as a decode forward
     (module docstring); it needs T <= decode_width(k_max) of the cache's ring. `parts`: in tensor-parallel parts,
-    inside shard_map (Parts); decode forwards only (the engines' forwards are all decode forwards)."""
+    inside shard_map (Parts); decode forwards only (the engines' forwards are all decode forwards).
+    `head_barrier`: final_logits' `barrier`."""
     if parts is not None and not commit_first:
         raise ValueError("a forward in tensor-parallel parts commits first (a decode forward)")
     dtype = params["embed_tokens.weight"].dtype
@@ -658,25 +660,36 @@ def forward(
             taps[spec.index] = x
     new_cache = cache if commit_first else _commit(cfg, cache, writes, positions, x)
     hidden = jnp.stack([taps[i] for i in hidden_layers], axis=2) if hidden_layers else None
-    return final_logits(params, cfg, x[:, -1:] if last_only else x, parts=parts), hidden, new_cache
+    logits = final_logits(params, cfg, x[:, -1:] if last_only else x, parts=parts, barrier=head_barrier)
+    return logits, hidden, new_cache
 
 
-def final_logits(params: Params, cfg: GemmaConfig, hidden, vocab_ids=None, parts: Parts | None = None):
+def final_logits(params: Params, cfg: GemmaConfig, hidden, vocab_ids=None, parts: Parts | None = None,
+                 barrier: bool = False):
     """The model's output head: hidden [..., H] (the state after the last layer, before the final norm) ->
     float32 logits [..., V], or [..., len(vocab_ids)] over only those target ids (the LM head's rows gathered
     first, so a reduced vocabulary never materialises the full [..., V] logits). Final norm, LM head
     (tied to the embedding or not), final softcap: what `forward` returns. In `parts`, the head is one GEMM per
-    vocabulary part, gathered in order."""
+    vocabulary part, gathered in order.
+
+    `barrier`: the head's product leaves through an optimization barrier, so that what reads the logits (a slice
+    of their rows, an argmax) cannot change how XLA computes them, and a row's logits do not depend on their
+    reader (the decode forwards' row invariance). The float32 cast and the softcap, elementwise, come after it:
+    the cast then fuses into the reader, rather than writing every row's float32 logits (a 4 us kernel on the
+    270M's decode forward)."""
     x = _rms_norm(hidden, params["norm.weight"], cfg)
     head = params["embed_tokens.weight"] if cfg.tie_word_embeddings else params["lm_head.weight"]
     if vocab_ids is not None:
         head = jnp.take(head, vocab_ids, axis=0)
     if parts is None:
-        logits = _linear(x, head).astype(jnp.float32)
+        logits = _linear(x, head)
     else:
         per_part = jnp.split(head, parts.local)
         logits = jnp.concatenate([_linear(_own_input(x, part), rows) for part, rows in enumerate(per_part)], axis=-1)
         logits = jax.lax.all_gather(logits.astype(jnp.float32), parts.axis, axis=logits.ndim - 1, tiled=True)
+    if barrier:
+        logits = jax.lax.optimization_barrier(logits)
+    logits = logits.astype(jnp.float32)
     if cfg.final_logit_softcapping is not None:
         cap = cfg.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap

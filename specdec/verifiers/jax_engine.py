@@ -370,16 +370,16 @@ class JaxEngine:
         return jax.lax.with_sharding_constraint(cache, self._cache_shardings)
 
     def _decode_forward(self, params, cache, tokens, lengths):
-        """The decode forward of every verify and loop cycle: commit-first, its logits behind a barrier."""
+        """The decode forward of every verify and loop cycle: commit-first, its LM head behind a barrier."""
         positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         if self.parts is None:
             logits, hidden, cache = forward(params, self.cfg, tokens, positions, cache, self.hidden_layers,
-                                            commit_first=True)
+                                            commit_first=True, head_barrier=True)
         else:
             run = forward_in_parts(self.cfg, self.mesh, self.parts, params, cache, hidden_layers=self.hidden_layers,
-                                   commit_first=True)
+                                   commit_first=True, head_barrier=True)
             logits, hidden, cache = run(params, tokens, positions, cache)
-        return jax.lax.optimization_barrier(logits), hidden, self._constrain(cache)
+        return logits, hidden, self._constrain(cache)
 
     def _reset(self, cache: Cache) -> Cache:
         """Every slot empty again."""
