@@ -118,8 +118,10 @@ def step_bytes(cfg, itemsize: int, context: int, k_max: int) -> dict[str, int]:
 
 def seconds_per_step(cycle, prompt: list[int], steps: int, warm_up: int) -> tuple[float, float]:
     """Wall seconds per plain decode step of a cycle (one token each), over `steps` after `warm_up`: the mean
-    (what throughput is) and the median step (a torch cycle is one step a call; a JAX cycle runs 8 steps per
-    call, so its median is a host read and only the mean is its step's time)."""
+    (what throughput is) and the median over the cycle's calls of a call's seconds per step. A torch cycle runs
+    one step a call; a JAX cycle runs `cycles_per_call`, and every step of a call but the first is a host read
+    of results already there, so a median of single steps would time the host. Fewer steps than a call: the mean
+    twice."""
     from specdec.generate import StopCondition
 
     cycle.start([prompt], StopCondition(10**6))
@@ -130,8 +132,10 @@ def seconds_per_step(cycle, prompt: list[int], steps: int, warm_up: int) -> tupl
         cycle.step()
         stamps.append(time.perf_counter())
     cycle.drain()
-    each = sorted(b - a for a, b in zip(stamps, stamps[1:]))
-    return (stamps[-1] - stamps[0]) / steps, each[steps // 2]
+    per_call = cycle.cycles_per_call
+    mean = (stamps[-1] - stamps[0]) / steps
+    calls = sorted((stamps[i + per_call] - stamps[i]) / per_call for i in range(0, steps - per_call + 1, per_call))
+    return mean, calls[len(calls) // 2] if calls else mean
 
 
 def greedy_tokens(cycle, prompt: list[int], count: int) -> list[int]:

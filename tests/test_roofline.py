@@ -104,3 +104,37 @@ def test_jax_rows_in_parts_start_with_the_parts_xla_flag():
     without_parts = SimpleNamespace(**{**vars(args), "tp_parts": None})
     for others in (child_command("torch", "31b", 1, args), child_command("jax", "31b", 1, without_parts)):
         assert not set(PARTS_GPU_XLA_FLAGS) & set(others[1].get("XLA_FLAGS", "").split())
+
+
+class CallsOfFourSteps:
+    """A cycle that runs 4 steps a call: a call's first step waits for the device (its ms in `call_ms`, in turn), and
+    the other three read results already there."""
+
+    cycles_per_call = 4
+    decode_cycles_in_start = 0
+
+    def __init__(self, clock: SimpleNamespace, call_ms: list[float]):
+        self.clock, self.call_ms, self.steps = clock, call_ms, 0
+
+    def start(self, prompts, stop):
+        pass
+
+    def step(self):
+        if self.steps % self.cycles_per_call == 0:
+            self.clock.now += self.call_ms[self.steps // self.cycles_per_call % len(self.call_ms)] / 1e3
+        self.steps += 1
+
+    def drain(self):
+        pass
+
+
+def test_the_median_step_is_a_calls_not_a_host_read(monkeypatch):
+    """Calls of 4, 4, 4 and 40 ms over 4 steps each: 1 ms a step at the median, 3.25 on average. The median of single
+    steps would be 0 (a host read)."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(roofline_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    mean, median = roofline_module.seconds_per_step(CallsOfFourSteps(clock, [4.0, 4.0, 4.0, 40.0]), [1], 16, 4)
+    assert abs(mean - 3.25e-3) < 1e-12
+    assert abs(median - 1e-3) < 1e-12
+    mean, median = roofline_module.seconds_per_step(CallsOfFourSteps(clock, [4.0]), [1], 2, 4)  # no whole call
+    assert median == mean and abs(mean - 2e-3) < 1e-12

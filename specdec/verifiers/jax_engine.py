@@ -742,7 +742,7 @@ class JaxFusedCycle:
         self.verifier, self.k, self.sampling = engine, k, sampling
         self.draft_fn = draft_fn if k > 0 else None
         self._steps = engine._steps_fn(cycles_per_call, self.draft_fn)
-        self._cycles_per_call = cycles_per_call
+        self.cycles_per_call = cycles_per_call
         # decode_step prefills in a forward as wide as prefill's chunks, which a stateful drafter's begin
         # (from prefill's hidden states) cannot wait for.
         self._prefills_in_cycle = not _stateful(self.draft_fn) and engine._bucket(k + 1) == engine.buckets[-1]
@@ -807,7 +807,7 @@ class JaxFusedCycle:
             self.decode_cycles_in_start = 0
             return
         self.state = self.verifier._prefill_state(prompts, self.sampling)
-        for _ in range(-(-self.verifier.prefill_cycles(prompts) // self._cycles_per_call)):
+        for _ in range(-(-self.verifier.prefill_cycles(prompts) // self.cycles_per_call)):
             self._read(self._dispatch())  # nothing ahead: run_cycles times start as the prefill
         self.decode_cycles_in_start = len(self._ready)
 
@@ -828,7 +828,7 @@ class JaxFusedCycle:
         0); each row is then accepted by its own settings (RowSampling). The prompt is checked now and prefilled
         before the next call, in the same forwards as every row admitted since (the engine's prefill_rows). A
         cycle of one cycle per call, with a stateless drafter: a stateful drafter's state spans the batch."""
-        if _stateful(self.draft_fn) or self._cycles_per_call != 1:
+        if _stateful(self.draft_fn) or self.cycles_per_call != 1:
             raise SpecdecError("rows are admitted only into cycles of one cycle per call with a stateless drafter")
         if self._in_flight is not None:
             raise SpecdecError("a row is admitted while a call is in flight, which ran over the rows as they were: "
@@ -912,7 +912,7 @@ class JaxFusedCycle:
 
     def _read(self, results) -> None:
         """Wait for a call's results; its decode cycles' join the queue (a prefill cycle has none to hand out)."""
-        self.device_cycles += self._cycles_per_call
+        self.device_cycles += self.cycles_per_call
         results = jax.device_get(results)
         cycles = [CycleResult(*(np.asarray(a[i]) for a in results[:4])) for i in range(len(results.prefill))
                   if not results.prefill[i]]

@@ -433,6 +433,8 @@ class FusedCycle:
     cycle run after the last one read is wasted; `drain` waits for it. A server decides per step, and reads the
     cycle in flight (`collect`) before it admits or loads a row: that cycle ran over the rows as they were."""
 
+    cycles_per_call = 1  # a replay runs one cycle (JaxFusedCycle's run several)
+
     def __init__(self, engine: TorchEngine, draft_fn, k: int, sampling: SamplingParams = SamplingParams(),
                  prefetch: bool | None = None):
         if not 0 <= k <= engine.k_max:
