@@ -74,6 +74,36 @@ def takes(q, keys, softcap: float | None) -> bool:
             and groups <= COMBINE_ROWS and groups & (groups - 1) == 0)
 
 
+@functools.cache
+def _hopper_or_later() -> bool:
+    return jax.default_backend() == "gpu" and all(
+        float(getattr(device, "compute_capability", 0) or 0) >= 9.0 for device in jax.devices())
+
+
+def triggers_dependents() -> bool:
+    """Whether kernels here signal PDL's early launch (launch_dependents): on GPUs of compute capability 9.0 or more
+    (Hopper on), whose PTX has griddepcontrol, and not inside interpreted()."""
+    return not _interpret and _hopper_or_later()
+
+
+def launch_dependents(value):
+    """value as is, once this program has let the next kernel in the stream launch (griddepcontrol.launch_dependents).
+
+    XLA launches every kernel under programmatic dependent launch (PDL) and compiles a wait on entry into each
+    (griddepcontrol.wait: this kernel finished, its writes visible). The next kernel still launches only once every
+    program here has triggered or exited; triggering once the inputs are in lets its launch overlap the rest of this
+    kernel, and changes no value. Pallas's Triton backend has no primitive for the trigger: it rides on an inline
+    assembly that passes `value` (float32) through, so it runs where `value` is used."""
+    if not triggers_dependents():
+        return value
+    from jax.experimental.pallas import triton as pltriton
+
+    [out] = pltriton.elementwise_inline_asm(
+        "griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", args=[value], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(value.shape, value.dtype)])
+    return out
+
+
 def summed_splits(load, splits: int, dtype):
     """The float32 products `load(s)` of a reduction's splits s (in a kernel, or arrays outside one), added in order
     and rounded as one product in the model's `dtype` is, on in float32."""

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specdec.models.jax_decode_attention import interpreting, on_device, summed_splits
+from specdec.models.jax_decode_attention import interpreting, launch_dependents, on_device, summed_splits
 
 
 def runs(hidden: int) -> list[tuple[int, int]]:
@@ -63,6 +63,7 @@ def _kernel(partials_ref, residual_ref, post_ref, next_ref, scale_ref, x_ref, no
 
     products = [summed_splits(lambda s: partials_ref[s, row, c], partials_ref.shape[0], dtype)
                 for c in columns]
+    products[0] = launch_dependents(products[0])  # the next kernel, often a product, launches while this one norms
     x = [rounded(residual_ref[row, c].astype(jnp.float32) + post)
          for post, c in zip(normed(products, post_ref), columns)]
     if scaled:  # Gemma 4's layer scalar

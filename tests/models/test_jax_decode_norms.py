@@ -101,3 +101,24 @@ def test_the_compiled_kernel_in_bf16_against_float32(name):
         step = 2.0**-7 * np.abs(want).max()
         errors = [np.abs(np.asarray(t, np.float64) - want).max() for t in (got, xla)]
         assert max(errors) <= step, (errors, step)
+
+
+def test_kernels_trigger_dependents_on_hopper_gpus_alone():
+    with jax_decode_attention.interpreted():
+        assert not jax_decode_attention.triggers_dependents()
+    if jax.default_backend() != "gpu":
+        assert not jax_decode_attention.triggers_dependents()
+
+
+@pytest.mark.gpu
+@jax_gpu
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_early_launch_trigger_changes_no_bit(name, monkeypatch):
+    """launch_dependents passes its value through: the kernel's outputs with and without it are the same bits."""
+    if not jax_decode_attention.triggers_dependents():
+        pytest.skip("needs a GPU with programmatic dependent launch (compute capability 9.0 or more)")
+    args = case(SHAPES[name], seed=5, dtype=jnp.bfloat16)
+    triggered = run(args)
+    monkeypatch.setattr(jax_decode_attention, "triggers_dependents", lambda: False)
+    for got, want in zip(triggered, run(args)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
