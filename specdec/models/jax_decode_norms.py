@@ -63,7 +63,7 @@ def _kernel(partials_ref, residual_ref, post_ref, next_ref, scale_ref, x_ref, no
 
     products = [summed_splits(lambda s: partials_ref[s, row, c], partials_ref.shape[0], dtype)
                 for c in columns]
-    products[0] = launch_dependents(products[0])  # the next product (gate/up, or q/k/v) launches while this one norms
+    products[0] = launch_dependents(products[0])  # the next product (gate/up or q/k/v) launches while this norms
     x = [rounded(residual_ref[row, c].astype(jnp.float32) + post)
          for post, c in zip(normed(products, post_ref), columns)]
     if scaled:  # Gemma 4's layer scalar
