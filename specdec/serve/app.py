@@ -34,6 +34,10 @@ from specdec.serve.scheduler import Request, Scheduler, SpeculativeConfig, Updat
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection first
+# Idle seconds before the server closes a kept-alive connection. uvicorn's default (5) ties httpx's client-side expiry
+# (5, the OpenAI client's transport): a client could then send on a connection the server is closing, and get
+# "Server disconnected without sending a response" (seen once in CI). Longer than the clients', they close first.
+KEEP_ALIVE_S = 30
 
 
 @dataclass
@@ -83,7 +87,7 @@ class ModelServer:
         self.scheduler.start()
         self.warm_up()
         config = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=5)
+                                access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
         self._http = uvicorn.Server(config)
         self._http_thread = threading.Thread(target=self._http.run, name="specdec-http", daemon=True)
         self._http_thread.start()
