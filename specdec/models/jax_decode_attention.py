@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +104,62 @@ def launch_dependents(value):
         result_shape_dtypes=[jax.ShapeDtypeStruct(value.shape, value.dtype)])
     return out
 
+
+PREFETCH_BLOCK = 16384  # weight elements a prefetch program reads: 32 KB in bf16 (16 and 8 KB ran slower, H200)
+PREFETCH_MAX_BYTES = 8 << 20  # larger weights would crowd L2 (50-60 MB) and hold their kernel up for long
+
+
+def prefetched(*weights) -> tuple:
+    """Of `weights` (None for none), those a decode kernel reads ahead into L2 for the product after it
+    (with_prefetch): whole blocks of PREFETCH_BLOCK elements, PREFETCH_MAX_BYTES at most."""
+    return tuple(w for w in weights if w is not None and w.size % PREFETCH_BLOCK == 0
+                 and w.size * w.dtype.itemsize <= PREFETCH_MAX_BYTES)
+
+
+def with_prefetch(kernel, grid: tuple[int, ...], in_specs: list, out_specs: list, out_shape: list, weights):
+    """A pallas_call's (kernel, grid, in_specs, out_specs, out_shape) and its extra operands, with the grid's first
+    axis extended by programs that each read a block of `weights` (prefetched()). `kernel(position, *refs)` takes
+    its program's grid position: its body runs inside a condition, where Pallas's interpreter cannot evaluate
+    pl.program_id.
+
+    A decode forward's products are latency-bound on small models, and XLA's wait on entry keeps them from loading
+    their weights before the kernel ahead of them ends, as the torch engine's products do. Read by this kernel's
+    spare programs, a weight sits in L2 when the product after it starts. A program writes its block's maximum to
+    an extra output that nothing reads; the kernel's own programs and outputs are unchanged."""
+    from jax.experimental import pallas as pl
+
+    weights = [w.reshape(-1, PREFETCH_BLOCK) for w in weights]
+    if not weights:
+        return (lambda *refs: kernel([pl.program_id(axis) for axis in range(len(grid))], *refs), grid, in_specs,
+                out_specs, out_shape, [])
+    counts = [len(w) for w in weights]
+    inner, first = math.prod(grid[1:]), grid[0]
+    extra = -(-sum(counts) // inner)
+
+    def clamped(spec):  # the prefetch programs' blocks of the kernel's operands: the last program's, never read
+        if spec is pl.no_block_spec:
+            return spec
+        return pl.BlockSpec(spec.block_shape, lambda p, *rest: spec.index_map(jnp.minimum(p, first - 1), *rest))
+
+    def extended(*refs):
+        operands, prefetch_refs = refs[:len(in_specs)], refs[len(in_specs):len(in_specs) + len(weights)]
+        *outputs, maxima_ref = refs[len(in_specs) + len(weights):]
+        position = [pl.program_id(axis) for axis in range(len(grid))]
+        pl.when(position[0] < first)(lambda: kernel(position, *operands, *outputs))
+        block = position[0] - first  # a prefetch program's place, in row-major order of its grid position
+        for axis in range(1, len(grid)):
+            block = block * grid[axis] + position[axis]
+        start = 0
+        for weight_ref, count in zip(prefetch_refs, counts):
+            @pl.when((position[0] >= first) & (block >= start) & (block < start + count))
+            def _(weight_ref=weight_ref, start=start):
+                values = weight_ref[pl.ds(block - start, 1), :].astype(jnp.float32)
+                maxima_ref[pl.ds(block, 1)] = jnp.max(values, axis=1)
+            start += count
+
+    return (extended, (first + extra, *grid[1:]), [clamped(s) for s in in_specs] + [pl.no_block_spec] * len(weights),
+            [clamped(s) for s in out_specs] + [pl.no_block_spec],
+            [*out_shape, jax.ShapeDtypeStruct((extra * inner,), jnp.float32)], weights)
 
 def summed_splits(load, splits: int, dtype):
     """The float32 products `load(s)` of a reduction's splits s (in a kernel, or arrays outside one), added in order
@@ -201,7 +258,7 @@ def inputs(partials, q_weight, k_weight, cos, sin, slots, keys, values, *, q_hea
     return results if writes else (results[0], keys, values)
 
 
-def _partials_kernel(q_ref, k_ref, v_ref, stored_ref, low_ref, high_ref, acc_ref, top_ref, total_ref, *,
+def _partials_kernel(_position, q_ref, k_ref, v_ref, stored_ref, low_ref, high_ref, acc_ref, top_ref, total_ref, *,
                      scale: float, steps: int, block_s: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
@@ -235,10 +292,10 @@ def _batch_and_head(program, heads: int, d_blocks: int):
     return program // (heads * d_blocks), program // d_blocks % heads
 
 
-def partials(q, keys, values, stored, low, high, scale: float):
+def partials(q, keys, values, stored, low, high, scale: float, prefetch=()):
     """The splits' float32 partials (acc [B, n_kv, splits, rows, hd], top and total [B, n_kv, splits, rows]) of q
     [B, n_kv, rows, hd] over keys and values [B, n_kv, slots, hd], the position each slot holds [B, slots] and each
-    row's lowest and highest attended position [B, rows]."""
+    row's lowest and highest attended position [B, rows]. Spare programs read `prefetch` into L2 (with_prefetch)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -251,28 +308,34 @@ def partials(q, keys, values, stored, low, high, scale: float):
     kernel = functools.partial(_partials_kernel, scale=scale, steps=chunk // config["BLOCK_S"],
                                block_s=config["BLOCK_S"])
     partial_shape = (B, heads, splits, rows)
-    return pl.pallas_call(
+    in_specs = [
+        pl.BlockSpec((None, None, BLOCK_M, head_dim), lambda p, r, s: (*head(p), r, 0)),
+        pl.BlockSpec((None, None, chunk, head_dim), lambda p, r, s: (*head(p), s, 0)),
+        pl.BlockSpec((None, None, chunk, d_block), lambda p, r, s: (*head(p), s, p % d_blocks)),
+        pl.BlockSpec((None, chunk), lambda p, r, s: (head(p)[0], s)),
+        pl.BlockSpec((None, BLOCK_M), lambda p, r, s: (head(p)[0], r)),
+        pl.BlockSpec((None, BLOCK_M), lambda p, r, s: (head(p)[0], r)),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, BLOCK_M, d_block), lambda p, r, s: (*head(p), s, r, p % d_blocks)),
+        pl.BlockSpec((None, None, None, BLOCK_M), lambda p, r, s: (*head(p), s, r)),
+        pl.BlockSpec((None, None, None, BLOCK_M), lambda p, r, s: (*head(p), s, r)),
+    ]
+    out_shape = [jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct(partial_shape, jnp.float32), jax.ShapeDtypeStruct(partial_shape, jnp.float32)]
+    kernel, grid, in_specs, out_specs, out_shape, weights = with_prefetch(
+        kernel, (B * heads * d_blocks, rows // BLOCK_M, splits), in_specs, out_specs, out_shape, prefetch)
+    results = pl.pallas_call(
         kernel,
-        grid=(B * heads * d_blocks, rows // BLOCK_M, splits),
-        in_specs=[
-            pl.BlockSpec((None, None, BLOCK_M, head_dim), lambda p, r, s: (*head(p), r, 0)),
-            pl.BlockSpec((None, None, chunk, head_dim), lambda p, r, s: (*head(p), s, 0)),
-            pl.BlockSpec((None, None, chunk, d_block), lambda p, r, s: (*head(p), s, p % d_blocks)),
-            pl.BlockSpec((None, chunk), lambda p, r, s: (head(p)[0], s)),
-            pl.BlockSpec((None, BLOCK_M), lambda p, r, s: (head(p)[0], r)),
-            pl.BlockSpec((None, BLOCK_M), lambda p, r, s: (head(p)[0], r)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, BLOCK_M, d_block), lambda p, r, s: (*head(p), s, r, p % d_blocks)),
-            pl.BlockSpec((None, None, None, BLOCK_M), lambda p, r, s: (*head(p), s, r)),
-            pl.BlockSpec((None, None, None, BLOCK_M), lambda p, r, s: (*head(p), s, r)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct(partial_shape, jnp.float32), jax.ShapeDtypeStruct(partial_shape, jnp.float32)],
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=2),
         interpret=_interpret,
         name="decode_attention_partials",
-    )(q, keys, values, stored, low, high)
+    )(q, keys, values, stored, low, high, *weights)
+    return results[:3]
 
 
 COMBINE_ROWS, COMBINE_COLUMNS = 8, 32  # a combine program's query rows and value columns, as torch's combine kernel
@@ -314,14 +377,15 @@ def combine(acc, top, total, dtype):
     )(acc, top, total)
 
 
-def attend(q, keys, values, stored, lowest, highest, scale: float):
+def attend(q, keys, values, stored, lowest, highest, scale: float, prefetch=()):
     """softmax(q keys^T * scale over the slots whose positions lie in lowest..highest of the row's token) values:
     q [B, T, n_kv, groups, hd], keys and values [B, n_kv, slots, hd], the position each slot holds [B, slots], the
-    lowest and highest position each token attends [B, T]. -> [B, T, n_kv, groups, hd] in q's dtype."""
+    lowest and highest position each token attends [B, T]. -> [B, T, n_kv, groups, hd] in q's dtype. The partials'
+    kernel reads the weights `prefetch` into L2 on the side (with_prefetch)."""
     B, T, heads, groups, head_dim = q.shape
     rows = q.transpose(0, 2, 1, 3, 4).reshape(B, heads, T * groups, head_dim)  # by token, then query head
     low, high = (jnp.repeat(bound, groups, axis=1) for bound in (lowest, highest))  # a bound a row
-    acc, top, total = partials(rows, keys, values, stored, low, high, scale)
+    acc, top, total = partials(rows, keys, values, stored, low, high, scale, prefetch)
     splits = top.shape[2]
     return combine(acc.reshape(B, heads, splits, T, groups, head_dim), top.reshape(B, heads, splits, T, groups),
                    total.reshape(B, heads, splits, T, groups), q.dtype)

@@ -20,7 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specdec.models.jax_decode_attention import interpreting, launch_dependents, on_device, summed_splits
+from specdec.models.jax_decode_attention import (interpreting, launch_dependents, on_device, summed_splits,
+                                                 with_prefetch)
 
 
 def runs(hidden: int) -> list[tuple[int, int]]:
@@ -45,11 +46,11 @@ def _warps(hidden: int) -> int:
     return 8 if hidden <= 1024 else 16
 
 
-def _kernel(partials_ref, residual_ref, post_ref, next_ref, scale_ref, x_ref, normed_ref, *, hidden: int, eps: float,
-            weight_offset: float, scaled: bool):
+def _kernel(position, partials_ref, residual_ref, post_ref, next_ref, scale_ref, x_ref, normed_ref, *, hidden: int,
+            eps: float, weight_offset: float, scaled: bool):
     from jax.experimental import pallas as pl
 
-    row, dtype = pl.program_id(0), x_ref.dtype
+    row, dtype = position[0], x_ref.dtype
     columns = [pl.ds(start, size) for start, size in runs(hidden)]
 
     def rounded(value):  # to the model's dtype where the layer rounds, and on in float32
@@ -74,12 +75,14 @@ def _kernel(partials_ref, residual_ref, post_ref, next_ref, scale_ref, x_ref, no
         normed_ref[row, c] = part.astype(dtype)
 
 
-def residual_norms(partials, residual, post_weight, next_weight, scale=None, *, eps: float, weight_offset: float):
+def residual_norms(partials, residual, post_weight, next_weight, scale=None, *, eps: float, weight_offset: float,
+                   prefetch=()):
     """`x = residual + norm(product, post_weight)`, times `scale` (Gemma 4's layer scalar [1]) where given, and
     `norm(x, next_weight)`, both [B, T, H] in residual's dtype, in one kernel. The product comes as the splits of
     its reduction, `partials` [splits, B, T, H] (float32 where split, else the one product in the model's dtype),
     added here in order and rounded to the model's dtype, as the product itself is. Norms scale by
-    weight_offset + w, in float32, rounded as jax_gemma._rms_norm rounds."""
+    weight_offset + w, in float32, rounded as jax_gemma._rms_norm rounds. Spare programs read the weights `prefetch`
+    into L2 for the product after this kernel (jax_decode_attention.with_prefetch)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -88,14 +91,17 @@ def residual_norms(partials, residual, post_weight, next_weight, scale=None, *, 
     kernel = functools.partial(_kernel, hidden=hidden, eps=eps, weight_offset=weight_offset, scaled=scale is not None)
     operands = [partials.reshape(splits, rows, hidden), residual.reshape(rows, hidden), post_weight, next_weight,
                 post_weight if scale is None else scale]  # (an unread operand in scale's place)
-    x, normed = pl.pallas_call(
+    kernel, grid, in_specs, out_specs, out_shape, weights = with_prefetch(
+        kernel, (rows,), [pl.no_block_spec] * len(operands), [pl.no_block_spec] * 2,
+        [jax.ShapeDtypeStruct((rows, hidden), dtype)] * 2, prefetch)
+    x, normed, *_ = pl.pallas_call(
         kernel,
-        grid=(rows,),
-        in_specs=[pl.no_block_spec] * len(operands),
-        out_specs=[pl.no_block_spec, pl.no_block_spec],
-        out_shape=[jax.ShapeDtypeStruct((rows, hidden), dtype)] * 2,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=_warps(hidden), num_stages=1),
         interpret=interpreting(),
         name="decode_residual_norms",
-    )(*operands)
+    )(*operands, *weights)
     return x.reshape(B, T, hidden), normed.reshape(B, T, hidden)

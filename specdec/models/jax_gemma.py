@@ -378,15 +378,27 @@ def _project_kv(params: Params, cfg: GemmaConfig, spec: LayerSpec, raw_k, raw_v,
     return k, v, (k, v)
 
 
+def _projections(spec: LayerSpec) -> tuple[str, ...]:
+    """The linears a layer projects its input through for attention: q_proj, and k_proj and v_proj where it has them."""
+    return ("q_proj",) + (("k_proj",) + (() if spec.k_eq_v else ("v_proj",)) if spec.owns_cache else ())
+
+
+def _weights(params: Params, prefix: str, names) -> tuple:
+    """The weights of the linears `prefix + name`, as params hold them: packed (pack_projections) or one by one."""
+    packed = params.get(packed_name(prefix, names))
+    return (packed,) if packed is not None else tuple(params.get(f"{prefix}{name}.weight") for name in names)
+
+
 def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache: Cache, shared_kv, writes,
-               parts: Parts | None = None, split: bool = False):
-    """The layer's attention output: o_proj's product, or with `split` the slices of its reduction (_split_product)."""
+               parts: Parts | None = None, split: bool = False, prefetch=()):
+    """The layer's attention output: o_proj's product, or with `split` the slices of its reduction (_split_product).
+    `prefetch`: weights the attention kernel reads into L2 on the side (jax_decode_attention.with_prefetch)."""
     B, T, _ = x.shape
     p = f"layers.{spec.index}.self_attn."
     hd, kind = spec.head_dim, spec.kind
     groups = cfg.num_heads // spec.num_kv_heads
     nkv = spec.num_kv_heads // (parts.count if parts else 1)  # of a part (in `parts`), else of the model
-    names = ("q_proj",) + (("k_proj",) + (() if spec.k_eq_v else ("v_proj",)) if spec.owns_cache else ())
+    names = _projections(spec)
     sizes = (cfg.num_heads * hd,) + (spec.num_kv_heads * hd,) * (len(names) - 1)
     fused = _fused_inputs(params, cfg, spec, names, x, ctx, cache, parts)
     queries, new_kv = [] if fused is None else [fused], []
@@ -423,7 +435,7 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
             v_old = heads(v_old)
         if ctx["commit_first"] and jax_decode_attention.takes(q, k_old, cfg.attn_logit_softcapping):
             out = jax_decode_attention.attend(q, k_old, v_old, cache["slot_pos"][kind], *ctx["attended"][kind],
-                                              cfg.attention_scale)
+                                              cfg.attention_scale, prefetch)
         else:
             kv = [(k_old, v_old)] if ctx["commit_first"] else [(k_old, v_old), (heads(k_new), heads(v_new))]
             out = _attend(cfg, q, kv, ctx["mask"][kind])
@@ -522,13 +534,18 @@ def _experts(params: Params, prefix: str, x, weights, index):
 
 
 def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_layer_input, ctx, cache, shared_kv,
-                   writes, parts: Parts | None = None, normed=None, next_norm=None):
+                   writes, parts: Parts | None = None, normed=None, next_norm=None, next_weights=()):
     """-> (x after the layer, x through `next_norm` or None). `normed`: x through this layer's input norm, where
     the layer before computed it, else None. `next_norm`: the weight of the next layer's input norm, or None.
+    `next_weights`: the next layer's q/k/v weights.
 
     A decode forward that takes jax_decode_norms runs each residual add with the norms around it in one kernel:
     the one after attention, and the layer's last (after down_proj, or after the per-layer projection), which also
-    norms x for the next layer where there is one and no MoE block."""
+    norms x for the next layer where there is one and no MoE block. Those kernels' spare programs read weights of
+    up to 8 MB into L2 for the products ahead (jax_decode_attention.prefetched): attention's partials the layer's
+    o_proj, gate/up and down, and the layer's last kernel the next layer's q/k/v. XLA's products wait on entry
+    for the kernel before them, so they cannot load their weights early; from L2 they start sooner (a 270M
+    cycle 1.5-2% shorter on an H200, docs/benchmarks.md)."""
     p = f"layers.{spec.index}."
     norm = lambda name, v: _rms_norm(v, params[p + name + ".weight"], cfg)  # noqa: E731
     kernel = ctx["commit_first"] and parts is None and jax_decode_norms.takes(cfg.hidden_size, x.dtype)
@@ -537,8 +554,11 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
                              weight_offset=cfg.norm_weight_offset)
     scale = params[p + "layer_scalar"] if cfg.is_gemma4 else None
     residual = x
+    ahead = jax_decode_attention.prefetched(params[p + "self_attn.o_proj.weight"],
+                                            *_weights(params, p + "mlp.", PACKS["mlp."]),
+                                            params[p + "mlp.down_proj.weight"]) if closes else ()
     attn = _attention(params, cfg, spec, norm("input_layernorm", x) if normed is None else normed, ctx, cache,
-                      shared_kv, writes, parts, split=kernel)
+                      shared_kv, writes, parts, split=kernel, prefetch=ahead)
     if kernel:
         x, h = residual_norms(attn, residual, params[p + "post_attention_layernorm.weight"],
                               params[p + "pre_feedforward_layernorm.weight"])
@@ -548,7 +568,8 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
     residual = x
     if closes and not cfg.has_per_layer_inputs:
         down = _mlp(params, p + "mlp.", h, split=True)
-        return residual_norms(down, residual, params[p + "post_feedforward_layernorm.weight"], next_norm, scale)
+        return residual_norms(down, residual, params[p + "post_feedforward_layernorm.weight"], next_norm, scale,
+                              prefetch=jax_decode_attention.prefetched(*next_weights))
     h = _mlp(params, p + "mlp.", h, parts)
     if cfg.enable_moe_block:
         flat = residual.reshape(-1, residual.shape[-1])
@@ -561,7 +582,8 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
         gated = _gelu(_linear(x, params[p + "per_layer_input_gate.weight"])) * per_layer_input
         if closes:
             return residual_norms(_split_product(gated, params[p + "per_layer_projection.weight"]), x,
-                                  params[p + "post_per_layer_input_norm.weight"], next_norm, scale)
+                                  params[p + "post_per_layer_input_norm.weight"], next_norm, scale,
+                                  prefetch=jax_decode_attention.prefetched(*next_weights))
         x = x + norm("post_per_layer_input_norm", _linear(gated, params[p + "per_layer_projection.weight"]))
     if cfg.is_gemma4:
         x = x * scale
@@ -654,8 +676,10 @@ def forward(
     for spec, after in itertools.zip_longest(cfg.layers, cfg.layers[1:]):
         layer_input = per_layer[:, :, spec.index] if per_layer is not None else None
         next_norm = None if after is None else params[f"layers.{after.index}.input_layernorm.weight"]
+        next_weights = () if after is None else _weights(params, f"layers.{after.index}.self_attn.",
+                                                         _projections(after))
         x, normed = _decoder_layer(params, cfg, spec, x, layer_input, ctx, cache, shared_kv, writes, parts, normed,
-                                   next_norm)
+                                   next_norm, next_weights)
         if spec.index in hidden_layers:
             taps[spec.index] = x
     new_cache = cache if commit_first else _commit(cfg, cache, writes, positions, x)

@@ -297,20 +297,39 @@ def norms_calls(monkeypatch) -> list:
                           lambda args: (args[0].shape[0], len(args) > 4 and args[4] is not None))
 
 
+@pytest.fixture
+def prefetch_calls(monkeypatch) -> list:
+    """(kernel, how many weights it reads ahead into L2) of the residual adds and attention partials traced."""
+    calls = []
+    for module, name in ((jax_decode_norms, "residual_norms"), (jax_decode_attention, "partials")):
+        def noted(*args, function=getattr(module, name), name=name, **kwargs):
+            calls.append((name, len(kwargs["prefetch"] if "prefetch" in kwargs else args[7] if len(args) > 7 else ())))
+            return function(*args, **kwargs)
+        monkeypatch.setattr(module, name, noted)
+    return calls
+
+
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_e"])
-def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, variant, inputs_calls, norms_calls):
+def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, variant, inputs_calls, norms_calls,
+                                                                      prefetch_calls):
     """Greedy plain decode through every kernel (interpreted, fp32) emits the XLA layers' tokens, and speculative
     decoding in the fused loop the plain decode's. A hidden size of 128 splits the projections' reduction in two
     (reduction_splits), which the kernels add; gemma4_e's KV-shared layers take the inputs kernel for q alone.
     Residual adds: after attention, on o_proj's product (a reduction of 64 on sliding layers: one product; of 128 on
     gemma4_e's full layers: two slices); each layer's last but the last layer's, on down_proj's product (an
-    intermediate size of 128: two slices), or on gemma4_e's per-layer projection (one product) and layer scalar."""
+    intermediate size of 128: two slices), or on gemma4_e's per-layer projection (one product) and layer scalar.
+    Read ahead into L2: by attention's partials, gate/up, down and o_proj where it is a whole block (gemma4_e's full
+    layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v (not q alone, gemma4_e's KV-shared layers': less than a block);
+    by the last layer's, nothing."""
     path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128)
-    reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls)
+    reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls, prefetch_calls)
     assert {splits for splits, _ in inputs_calls} == {2}
     assert {writes for _, writes in inputs_calls} == ({True, False} if variant == "gemma4_e" else {True})
     scaled_per_layer_projection = {(1, True)} if variant == "gemma4_e" else set()
     assert set(norms_calls) == {(1, False), (2, False)} | scaled_per_layer_projection
+    whole_o_proj = {("partials", 3)} if variant == "gemma4_e" else set()
+    assert set(prefetch_calls) == {("partials", 0), ("partials", 2), ("residual_norms", 0), ("residual_norms", 1)} \
+        | whole_o_proj
     assert plain == reference
     assert speculative == plain
 
@@ -340,3 +359,64 @@ def test_the_compiled_inputs_kernel_in_bf16_against_float64(name):
         for row, slots in enumerate(np.asarray(args[5])):
             written[row, :, slots] = True
         assert np.array_equal(np.asarray(ours[1])[~written], np.asarray(args[6])[~written])
+
+
+def prefetching_copy(x, weights, interpret: bool):
+    """x [4, 8, 128] copied by a pallas_call of grid (4, 2) through with_prefetch, and the prefetch programs' maxima."""
+    from jax.experimental import pallas as pl
+
+    def copy(_position, x_ref, out_ref):
+        out_ref[...] = x_ref[...]
+
+    spec = pl.BlockSpec((None, 4, 128), lambda i, j: (i, j, 0))
+    kernel, grid, in_specs, out_specs, out_shape, blocks = jax_decode_attention.with_prefetch(
+        copy, (4, 2), [spec], [spec], [jax.ShapeDtypeStruct(x.shape, x.dtype)], weights)
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          interpret=interpret)(x, *blocks)
+
+
+def check_prefetching_copy(interpret: bool):
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((4, 8, 128)), jnp.float32)
+    block = jax_decode_attention.PREFETCH_BLOCK
+    weights = [jnp.asarray(rng.standard_normal((2 * block // 64, 64)), jnp.bfloat16),
+               jnp.asarray(rng.standard_normal((3, block)), jnp.bfloat16)]
+    copied, maxima = jax.jit(lambda x, *w: prefetching_copy(x, w, interpret))(x, *weights)
+    assert np.array_equal(np.asarray(copied), np.asarray(x))
+    want = np.concatenate([np.asarray(w, np.float32).reshape(-1, block).max(axis=1) for w in weights])
+    assert maxima.shape == (6,)  # 5 blocks, the grid's extension by whole rows of 2 programs
+    assert np.array_equal(np.asarray(maxima)[:5], want)
+
+
+def test_prefetch_programs_read_each_block_and_leave_the_kernel_alone():
+    """with_prefetch: the kernel's own programs and outputs as without it, on a two-axis grid, and each spare
+    program reading its own block of the weights, in order."""
+    check_prefetching_copy(interpret=True)
+
+
+def test_what_is_prefetched():
+    block = jax_decode_attention.PREFETCH_BLOCK
+    small, ragged = jnp.zeros((4, block), jnp.bfloat16), jnp.zeros((block + 64,), jnp.bfloat16)
+    large = jax.ShapeDtypeStruct((jax_decode_attention.PREFETCH_MAX_BYTES // block + block, block // 2), jnp.bfloat16)
+    assert jax_decode_attention.prefetched(small, None, ragged, large, small) == (small, small)
+
+
+@pytest.mark.parametrize("name", ["270m sliding", "random test model"])
+def test_the_partials_kernel_computes_the_same_with_weights_to_prefetch(name):
+    args = case(SHAPES[name], seed=12, dtype=jnp.float32)
+    q, keys, values, stored, lowest, highest = args
+    B, T, heads, groups, head_dim = q.shape
+    rows = q.transpose(0, 2, 1, 3, 4).reshape(B, heads, T * groups, head_dim)
+    low, high = (jnp.repeat(bound, groups, axis=1) for bound in (lowest, highest))
+    weights = [jnp.ones((jax_decode_attention.PREFETCH_BLOCK * 3,), jnp.bfloat16)]
+    with in_float32():
+        run = jax.jit(lambda prefetch: jax_decode_attention.partials(rows, keys, values, stored, low, high, 0.0625,
+                                                                      prefetch))
+        for got, want in zip(run(weights), run([])):
+            assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.gpu
+@jax_gpu
+def test_compiled_prefetch_programs_read_each_block_and_leave_the_kernel_alone():
+    check_prefetching_copy(interpret=False)

@@ -45,11 +45,19 @@ def xla_residual_norms(partials, residual, post, after, scale):
     return x, _rms_norm(x, after, cfg)
 
 
-def run(args, kernel=True):
+def run(args, kernel=True, prefetch=()):
     cfg = norm_config(gemma4=args[4] is not None)
-    fn = functools.partial(jax_decode_norms.residual_norms, eps=cfg.rms_norm_eps,
-                           weight_offset=cfg.norm_weight_offset) if kernel else xla_residual_norms
+    fn = functools.partial(jax_decode_norms.residual_norms, eps=cfg.rms_norm_eps, weight_offset=cfg.norm_weight_offset,
+                           prefetch=prefetch) if kernel else xla_residual_norms
     return jax.jit(fn)(*args)
+
+
+def same_bits_with_weights_to_prefetch(args):
+    """The kernel's outputs with spare programs reading two weights into L2 are the bits it gives without them."""
+    block = jax_decode_attention.PREFETCH_BLOCK
+    weights = (jnp.ones((2, block), jnp.bfloat16), jnp.full((block // 4, 4), 2.0, jnp.bfloat16))
+    for got, want in zip(run(args, prefetch=weights), run(args)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_runs_are_powers_of_two_covering_the_row():
@@ -78,6 +86,12 @@ def test_a_rows_outputs_depend_on_its_own_row_alone():
     for a, b in zip(first, again):
         assert np.array_equal(np.asarray(a[:, 0]), np.asarray(b[:, 0]))
         assert not np.array_equal(np.asarray(a[:, 1]), np.asarray(b[:, 1]))
+
+
+@pytest.mark.parametrize("name", ["270m", "31b, batch 2: three runs"])
+def test_weights_to_prefetch_change_no_output(name):
+    with in_float32():
+        same_bits_with_weights_to_prefetch(case(SHAPES[name], seed=6, dtype=jnp.float32))
 
 
 def test_what_the_kernel_does_not_take():
@@ -123,3 +137,10 @@ def test_the_early_launch_trigger_changes_no_bit(name, monkeypatch):
     monkeypatch.setattr(jax_decode_attention, "triggers_dependents", lambda: False)
     for got, want in zip(triggered, run(args)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.gpu
+@jax_gpu
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_compiled_weights_to_prefetch_change_no_bit(name):
+    same_bits_with_weights_to_prefetch(case(SHAPES[name], seed=8, dtype=jnp.bfloat16))
