@@ -3,13 +3,16 @@ per cycle from jax's profiler, grouped by name. The JAX counterpart of profile_c
 
     python scripts/profile_jax_cycle.py --config 31b.json --context 1024 --out docs/results/profile-jax-31b6.json
 
-Random weights cost what real ones do (shapes, not values, set a kernel's time).
+Random weights cost what real ones do (shapes, not values, set a kernel's time). `--share-weights` gives every layer
+layer 0's weights of the named blocks: one layer's weights, which L2 holds, so the cycle then bounds what reading
+weights ahead into L2 can buy (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -57,6 +60,17 @@ def device_kernels(run) -> dict:
             "top": [{"name": n[:120], "per_cycle": c / cycles, "ms": t / cycles} for n, (c, t) in top]}
 
 
+def shared_weights(params: dict, blocks: list[str]) -> dict:
+    """params with each layer's weights in `blocks` (name parts, e.g. `mlp.`) replaced by layer 0's (the same
+    arrays)."""
+    shared = dict(params)
+    for name in params:
+        match = re.match(r"layers\.(\d+)\.(.*)", name)
+        if match and match[1] != "0" and any(block in match[2] for block in blocks):
+            shared[name] = params[f"layers.0.{match[2]}"]
+    return shared
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -67,6 +81,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096, help="cache positions")
     parser.add_argument("--k-max", type=int, default=8, help="the engine's k_max (sets the invariant width)")
     parser.add_argument("--out", type=Path, default=Path("profile-jax-cycle.json"))
+    parser.add_argument("--share-weights", nargs="+", metavar="BLOCK",
+                        help="every layer reads layer 0's weights of these blocks (self_attn. mlp.): a bound, not a model")
     args = parser.parse_args()
     compile_cache.enable_jax()
     if args.target:
@@ -74,6 +90,8 @@ def main() -> None:
     else:
         cfg = GemmaConfig.from_file(args.config)
         params = random_params(cfg, jax.random.key(0), pack=True)
+    if args.share_weights:
+        params = shared_weights(params, args.share_weights)
     engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=args.k_max)
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20000, args.prompt_tokens)]
     cycle = JaxFusedCycle(engine, None, 0)
@@ -96,6 +114,7 @@ def main() -> None:
               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "dtype": str(engine.params["embed_tokens.weight"].dtype),
               "model": str(args.target or args.config), "weights": "checkpoint" if args.target else "random",
+              "shared_weights": args.share_weights,
               "invariant_width": engine.width, "prompt_tokens": len(prompt), "cycles_per_call": CYCLES_PER_CALL,
               "cycle_wall_ms": wall, "kernels": kernels}
     args.out.write_text(json.dumps(record, indent=1))
