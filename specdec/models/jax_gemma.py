@@ -545,7 +545,7 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
     up to 8 MB into L2 for the products ahead (jax_decode_attention.prefetched): attention's partials the layer's
     o_proj, gate/up and down, and the layer's last kernel the next layer's q/k/v. XLA's products wait on entry
     for the kernel before them, so they cannot load their weights early; from L2 they start sooner (a 270M
-    cycle 1.5-2% shorter on an H200, docs/benchmarks.md)."""
+    cycle 2.8% shorter on an H200, docs/benchmarks.md)."""
     p = f"layers.{spec.index}."
     norm = lambda name, v: _rms_norm(v, params[p + name + ".weight"], cfg)  # noqa: E731
     kernel = ctx["commit_first"] and parts is None and jax_decode_norms.takes(cfg.hidden_size, x.dtype)
