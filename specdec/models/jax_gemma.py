@@ -541,7 +541,7 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
 
     A decode forward that takes jax_decode_norms runs each residual add with the norms around it in one kernel:
     the one after attention, and the layer's last (after down_proj, or after the per-layer projection), which also
-    norms x for the next layer where there is one and no MoE block. Those kernels' spare programs read weights of
+    norms x for the next layer where there is one and no MoE block. Spare programs of two kernels read weights of
     up to 8 MB into L2 for the products ahead (jax_decode_attention.prefetched): attention's partials the layer's
     o_proj, gate/up and down, and the layer's last kernel the next layer's q/k/v. XLA's products wait on entry
     for the kernel before them, so they cannot load their weights early; from L2 they start sooner (a 270M
