@@ -161,6 +161,7 @@ def with_prefetch(kernel, grid: tuple[int, ...], in_specs: list, out_specs: list
             [clamped(s) for s in out_specs] + [pl.no_block_spec],
             [*out_shape, jax.ShapeDtypeStruct((extra * inner,), jnp.float32)], weights)
 
+
 def summed_splits(load, splits: int, dtype):
     """The float32 products `load(s)` of a reduction's splits s (in a kernel, or arrays outside one), added in order
     and rounded as one product in the model's `dtype` is, on in float32."""
