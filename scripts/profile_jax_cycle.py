@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--k-max", type=int, default=8, help="the engine's k_max (sets the invariant width)")
     parser.add_argument("--out", type=Path, default=Path("profile-jax-cycle.json"))
     parser.add_argument("--share-weights", nargs="+", metavar="BLOCK",
-                        help="every layer reads layer 0's weights of these blocks (self_attn. mlp.): a bound, not a model")
+                        help="every layer reads layer 0's weights of these blocks (self_attn. mlp.): a bound")
     args = parser.parse_args()
     compile_cache.enable_jax()
     if args.target:

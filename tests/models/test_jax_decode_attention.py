@@ -303,7 +303,8 @@ def prefetch_calls(monkeypatch) -> list:
     calls = []
     for module, name in ((jax_decode_norms, "residual_norms"), (jax_decode_attention, "partials")):
         def noted(*args, function=getattr(module, name), name=name, **kwargs):
-            calls.append((name, len(kwargs["prefetch"] if "prefetch" in kwargs else args[7] if len(args) > 7 else ())))
+            prefetch = kwargs["prefetch"] if "prefetch" in kwargs else args[7] if len(args) > 7 else ()
+            calls.append((name, len(prefetch)))
             return function(*args, **kwargs)
         monkeypatch.setattr(module, name, noted)
     return calls
@@ -319,8 +320,8 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     gemma4_e's full layers: two slices); each layer's last but the last layer's, on down_proj's product (an
     intermediate size of 128: two slices), or on gemma4_e's per-layer projection (one product) and layer scalar.
     Read ahead into L2: by attention's partials, gate/up, down and o_proj where it is a whole block (gemma4_e's full
-    layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v (not q alone, gemma4_e's KV-shared layers': less than a block);
-    by the last layer's, nothing."""
+    layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v
+    (not q alone, as gemma4_e's KV-shared layers have it: less than a block); by the last layer's, nothing."""
     path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128)
     reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls, prefetch_calls)
     assert {splits for splits, _ in inputs_calls} == {2}
