@@ -386,7 +386,7 @@ def attend(q, keys, values, stored, lowest, highest, scale: float, prefetch=()):
     B, T, heads, groups, head_dim = q.shape
     rows = q.transpose(0, 2, 1, 3, 4).reshape(B, heads, T * groups, head_dim)  # by token, then query head
     low, high = (jnp.repeat(bound, groups, axis=1) for bound in (lowest, highest))  # a bound a row
-    acc, top, total = partials(rows, keys, values, stored, low, high, scale, prefetch)
+    acc, top, total = partials(rows, keys, values, stored, low, high, scale, prefetch=prefetch)
     splits = top.shape[2]
     return combine(acc.reshape(B, heads, splits, T, groups, head_dim), top.reshape(B, heads, splits, T, groups),
                    total.reshape(B, heads, splits, T, groups), q.dtype)

@@ -124,11 +124,12 @@ def reference_plain_and_speculative(path, *calls: list) -> tuple[list[int], list
 
 
 def recorded_calls(monkeypatch, module, name: str, record) -> list:
-    """record(args) for each call of module.name traced from now on (the function patched to note it, then run)."""
+    """record(args, kwargs) for each call of module.name traced from now on (the function patched to note it, then
+    run)."""
     calls = []
 
     def noted(*args, function=getattr(module, name), **kwargs):
-        calls.append(record(args))
+        calls.append(record(args, kwargs))
         return function(*args, **kwargs)
 
     monkeypatch.setattr(module, name, noted)
@@ -138,7 +139,7 @@ def recorded_calls(monkeypatch, module, name: str, record) -> list:
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list:
     """The key shapes of the forwards traced through the kernel."""
-    return recorded_calls(monkeypatch, jax_decode_attention, "attend", lambda args: args[1].shape)
+    return recorded_calls(monkeypatch, jax_decode_attention, "attend", lambda args, _: args[1].shape)
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_dense"])
@@ -286,7 +287,7 @@ def test_what_the_inputs_kernel_does_not_take():
 def inputs_calls(monkeypatch) -> list:
     """(the projection's splits, whether the layer writes keys) of the layers traced through the inputs kernel."""
     return recorded_calls(monkeypatch, jax_decode_attention, "inputs",
-                          lambda args: (args[0].shape[0], args[6] is not None))
+                          lambda args, _: (args[0].shape[0], args[6] is not None))
 
 
 @pytest.fixture
@@ -294,20 +295,14 @@ def norms_calls(monkeypatch) -> list:
     """(the product's splits, whether a layer scalar scales x) of the residual adds traced through
     jax_decode_norms' kernel."""
     return recorded_calls(monkeypatch, jax_decode_norms, "residual_norms",
-                          lambda args: (args[0].shape[0], len(args) > 4 and args[4] is not None))
+                          lambda args, _: (args[0].shape[0], len(args) > 4 and args[4] is not None))
 
 
 @pytest.fixture
-def prefetch_calls(monkeypatch) -> list:
-    """(kernel, how many weights it reads ahead into L2) of the residual adds and attention partials traced."""
-    calls = []
-    for module, name in ((jax_decode_norms, "residual_norms"), (jax_decode_attention, "partials")):
-        def noted(*args, function=getattr(module, name), name=name, **kwargs):
-            prefetch = kwargs["prefetch"] if "prefetch" in kwargs else args[7] if len(args) > 7 else ()
-            calls.append((name, len(prefetch)))
-            return function(*args, **kwargs)
-        monkeypatch.setattr(module, name, noted)
-    return calls
+def prefetch_calls(monkeypatch) -> dict:
+    """How many weights each residual add and attention partials kernel traced reads ahead into L2, by kernel."""
+    return {name: recorded_calls(monkeypatch, module, name, lambda _, kwargs: len(kwargs.get("prefetch", ())))
+            for module, name in ((jax_decode_norms, "residual_norms"), (jax_decode_attention, "partials"))}
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_e"])
@@ -323,14 +318,14 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v
     (not q alone, as gemma4_e's KV-shared layers have it: less than a block); by the last layer's, nothing."""
     path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128)
-    reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls, prefetch_calls)
+    reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls,
+                                                                    *prefetch_calls.values())
     assert {splits for splits, _ in inputs_calls} == {2}
     assert {writes for _, writes in inputs_calls} == ({True, False} if variant == "gemma4_e" else {True})
     scaled_per_layer_projection = {(1, True)} if variant == "gemma4_e" else set()
     assert set(norms_calls) == {(1, False), (2, False)} | scaled_per_layer_projection
-    whole_o_proj = {("partials", 3)} if variant == "gemma4_e" else set()
-    assert set(prefetch_calls) == {("partials", 0), ("partials", 2), ("residual_norms", 0), ("residual_norms", 1)} \
-        | whole_o_proj
+    assert set(prefetch_calls["partials"]) == {0, 2} | ({3} if variant == "gemma4_e" else set())  # 3: with o_proj
+    assert set(prefetch_calls["residual_norms"]) == {0, 1}
     assert plain == reference
     assert speculative == plain
 
