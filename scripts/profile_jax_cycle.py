@@ -5,19 +5,22 @@ per cycle from jax's profiler, grouped by name. The JAX counterpart of profile_c
 
 Random weights cost what real ones do (shapes, not values, set a kernel's time). `--share-weights` gives every layer
 layer 0's weights of the named blocks: one layer's weights, which L2 holds, so the cycle then bounds what reading
-weights ahead into L2 can buy (docs/benchmarks.md).
+weights ahead into L2 can buy (docs/benchmarks.md). `--sources DIR` has XLA dump its optimized modules into DIR and
+names, for each kernel, the kinds of op XLA fused into it and the specdec lines they come from.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -60,6 +63,71 @@ def device_kernels(run) -> dict:
             "top": [{"name": n[:120], "per_cycle": c / cycles, "ms": t / cycles} for n, (c, t) in top]}
 
 
+def _hlo_table(text: str, name: str) -> dict[str, str]:
+    """One of the id tables (FileNames, StackFrames, ...) heading an HLO module's text dump: id -> its line."""
+    _, _, rest = text.partition(f"\n{name}\n")
+    return dict(re.findall(r"^(\d+) (.*)$", rest.split("\n\n", 1)[0], re.M))
+
+
+def _specdec_lines(text: str) -> Callable[[str], list[str]]:
+    """stack_frame_id -> the specdec file:line:function frames of that stack, innermost first."""
+    files, functions = _hlo_table(text, "FileNames"), _hlo_table(text, "FunctionNames")
+    locations, frames = _hlo_table(text, "FileLocations"), _hlo_table(text, "StackFrames")
+
+    def lines(frame: str) -> list[str]:
+        found = []
+        while frame in frames:
+            location, parent = re.search(r"file_location_id=(\d+) parent_frame_id=(\d+)", frames[frame]).groups()
+            file, function, line = re.search(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)",
+                                             locations[location]).groups()
+            path = files[file].strip('"')
+            if "specdec" in Path(path).parts:
+                found.append(f"{Path(path).name}:{line}:{functions[function].strip(chr(34))}")
+            if parent == frame:
+                break
+            frame = parent
+        return found
+
+    return lines
+
+
+def _defined(text: str, kernel: str):
+    """The line defining the fusion a kernel is named after (`fusion_373` runs `%fusion.373`), or None."""
+    numbered = re.fullmatch(r"(.*)_(\d+)", kernel)
+    for name in ([f"{numbered[1]}.{numbered[2]}"] if numbered else []) + [kernel]:
+        found = re.search(rf"^\s*(?:ROOT )?%{re.escape(name)} = (.*)$", text, re.M)
+        if found:
+            return found
+    return None
+
+
+def kernel_sources(names: list[str], dump: Path) -> dict[str, dict]:
+    """For each kernel name an XLA fusion goes by: the kinds of op fused into it and the specdec lines its ops come
+    from (the innermost of each stack), read from XLA's optimized modules dumped as text into `dump`; the module is
+    the one defining most of `names`. Names not defined there (Pallas kernels, copies) are left out."""
+    modules = [path.read_text() for path in dump.glob("*after_optimizations.txt")]
+    if not modules:
+        return {}
+    text = max(modules, key=lambda t: sum(_defined(t, name) is not None for name in names))
+    lines = _specdec_lines(text)
+    sources = {}
+    for name in names:
+        match = _defined(text, name)
+        if match is None:
+            continue
+        ops, origins = set(), set()
+        called = re.search(r"calls=%([\w.\-]+)", match[1])
+        body = called and re.search(rf"^%{re.escape(called[1])} .*?\{{\n(.*?)\n\}}", text, re.M | re.S)
+        for line in [match[1], *(body[1].splitlines() if body else [])]:
+            op = re.search(r"= \S+ ([a-z][\w-]*)\(", line)
+            if op and op[1] not in ("parameter", "constant", "bitcast", "broadcast", "tuple", "get-tuple-element"):
+                ops.add(op[1])
+            frame = re.search(r"stack_frame_id=(\d+)", line)
+            origins.update(lines(frame[1])[:1] if frame else [])
+        sources[name] = {"ops": sorted(ops - {"fusion"}) or sorted(ops), "sources": sorted(origins)}
+    return sources
+
+
 def shared_weights(params: dict, blocks: list[str]) -> dict:
     """params with each layer's weights in `blocks` (name parts, e.g. `mlp.`) replaced by layer 0's (the same
     arrays)."""
@@ -83,8 +151,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("profile-jax-cycle.json"))
     parser.add_argument("--share-weights", nargs="+", metavar="BLOCK",
                         help="every layer reads layer 0's weights of these blocks (self_attn. mlp.): a bound")
+    parser.add_argument("--sources", type=Path, metavar="DIR",
+                        help="dump XLA's optimized modules into DIR and name each kernel's ops and specdec lines")
     args = parser.parse_args()
-    compile_cache.enable_jax()
+    if args.sources:  # before JAX starts its backend, which reads XLA_FLAGS once; compiled anew, so dumped
+        os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.sources} "
+                                   "--xla_dump_hlo_as_text").strip()
+    else:
+        compile_cache.enable_jax()
     if args.target:
         cfg, params = load_params(args.target, pack=True)
     else:
@@ -110,6 +184,10 @@ def main() -> None:
     ran = run(args.steps)
     wall = (time.perf_counter() - start) * 1e3 / ran
     kernels = device_kernels(lambda: run(args.steps))
+    if args.sources:
+        sources = kernel_sources([t["name"] for t in kernels["top"]], args.sources)
+        for t in kernels["top"]:
+            t.update(sources.get(t["name"], {}))
     record = {"benchmark": "profile_jax_cycle", "date": now_utc(), "commit": git_commit(),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "dtype": str(engine.params["embed_tokens.weight"].dtype),
@@ -122,7 +200,8 @@ def main() -> None:
     print(f"cycle wall {wall:.3f} ms · device span {kernels['span_ms']:.3f} ms · busy {kernels['busy_ms']:.3f} ms"
           f" · {kernels['per_cycle']:.0f} kernels per cycle")
     for t in kernels["top"][:25]:
-        print(f"  {t['per_cycle']:6.1f} {t['ms']:7.4f}  {t['name'][:100]}")
+        where = f"  {','.join(t['ops'])[:40]}  {' '.join(t['sources'][:2])}" if t.get("sources") else ""
+        print(f"  {t['per_cycle']:6.1f} {t['ms']:7.4f}  {t['name'][:60]}{where}")
 
 
 if __name__ == "__main__":
