@@ -120,11 +120,12 @@ def kernel_sources(names: list[str], dump: Path) -> dict[str, dict]:
         body = called and re.search(rf"^%{re.escape(called[1])} .*?\{{\n(.*?)\n\}}", text, re.M | re.S)
         for line in [match[1], *(body[1].splitlines() if body else [])]:
             op = re.search(r"= \S+ ([a-z][\w-]*)\(", line)
-            if op and op[1] not in ("parameter", "constant", "bitcast", "broadcast", "tuple", "get-tuple-element"):
+            if op and op[1] not in ("fusion", "parameter", "constant", "bitcast", "broadcast", "tuple",
+                                    "get-tuple-element"):
                 ops.add(op[1])
             frame = re.search(r"stack_frame_id=(\d+)", line)
             origins.update(lines(frame[1])[:1] if frame else [])
-        sources[name] = {"ops": sorted(ops - {"fusion"}) or sorted(ops), "sources": sorted(origins)}
+        sources[name] = {"ops": sorted(ops), "sources": sorted(origins)}
     return sources
 
 
