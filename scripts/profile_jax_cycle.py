@@ -69,26 +69,25 @@ def _hlo_table(text: str, name: str) -> dict[str, str]:
     return dict(re.findall(r"^(\d+) (.*)$", rest.split("\n\n", 1)[0], re.M))
 
 
-def _specdec_lines(text: str) -> Callable[[str], list[str]]:
-    """stack_frame_id -> the specdec file:line:function frames of that stack, innermost first."""
+def _innermost_specdec_line(text: str) -> Callable[[str], str | None]:
+    """stack_frame_id -> the innermost specdec file:line:function of that stack, or None."""
     files, functions = _hlo_table(text, "FileNames"), _hlo_table(text, "FunctionNames")
     locations, frames = _hlo_table(text, "FileLocations"), _hlo_table(text, "StackFrames")
 
-    def lines(frame: str) -> list[str]:
-        found = []
+    def innermost(frame: str) -> str | None:
         while frame in frames:
             location, parent = re.search(r"file_location_id=(\d+) parent_frame_id=(\d+)", frames[frame]).groups()
             file, function, line = re.search(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)",
                                              locations[location]).groups()
             path = files[file].strip('"')
             if "specdec" in Path(path).parts:
-                found.append(f"{Path(path).name}:{line}:{functions[function].strip(chr(34))}")
+                return f"{Path(path).name}:{line}:{functions[function].strip(chr(34))}"
             if parent == frame:
                 break
             frame = parent
-        return found
+        return None
 
-    return lines
+    return innermost
 
 
 def _defined(text: str, kernel: str):
@@ -109,7 +108,7 @@ def kernel_sources(names: list[str], dump: Path) -> dict[str, dict]:
     if not modules:
         return {}
     text = max(modules, key=lambda t: sum(_defined(t, name) is not None for name in names))
-    lines = _specdec_lines(text)
+    innermost = _innermost_specdec_line(text)
     sources = {}
     for name in names:
         match = _defined(text, name)
@@ -124,7 +123,9 @@ def kernel_sources(names: list[str], dump: Path) -> dict[str, dict]:
                                     "get-tuple-element"):
                 ops.add(op[1])
             frame = re.search(r"stack_frame_id=(\d+)", line)
-            origins.update(lines(frame[1])[:1] if frame else [])
+            origin = innermost(frame[1]) if frame else None
+            if origin:
+                origins.add(origin)
         sources[name] = {"ops": sorted(ops), "sources": sorted(origins)}
     return sources
 
