@@ -150,6 +150,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--context", type=int, default=4096, help="cache positions")
     parser.add_argument("--k-max", type=int, default=8, help="the engine's k_max (sets the invariant width)")
+    parser.add_argument("--fp8", action="store_true", help="FP8 linears (specdec.models.fp8)")
     parser.add_argument("--out", type=Path, default=Path("profile-jax-cycle.json"))
     parser.add_argument("--share-weights", nargs="+", metavar="BLOCK",
                         help="every layer reads layer 0's weights of these blocks (self_attn. mlp.): a bound")
@@ -162,10 +163,10 @@ def main() -> None:
     else:
         compile_cache.enable_jax()
     if args.target:
-        cfg, params = load_params(args.target, pack=True)
+        cfg, params = load_params(args.target, pack=True, fp8=args.fp8)
     else:
         cfg = GemmaConfig.from_file(args.config)
-        params = random_params(cfg, jax.random.key(0), pack=True)
+        params = random_params(cfg, jax.random.key(0), pack=True, fp8=args.fp8)
     if args.share_weights:
         params = shared_weights(params, args.share_weights)
     engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=args.k_max)
@@ -192,7 +193,7 @@ def main() -> None:
             t.update(sources.get(t["name"], {}))
     record = {"benchmark": "profile_jax_cycle", "date": now_utc(), "commit": git_commit(),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "dtype": str(engine.params["embed_tokens.weight"].dtype),
+              "dtype": str(engine.params["embed_tokens.weight"].dtype), "fp8": args.fp8,
               "model": str(args.target or args.config), "weights": "checkpoint" if args.target else "random",
               "shared_weights": args.share_weights,
               "invariant_width": engine.width, "prompt_tokens": len(prompt), "cycles_per_call": CYCLES_PER_CALL,

@@ -75,6 +75,7 @@ def load(
     tensor_parallel: int = 1,
     tp_parts: int | None = None,
     tokenizer_in_child: bool = False,
+    fp8: bool = False,
 ) -> Target:
     """Load a target for generation. Defaults: the embedded Gemma 3 270M, the PyTorch engine, CUDA in
     bf16 when there is a GPU, else CPU in fp32, row-invariant forwards (greedy speculative output is the
@@ -98,6 +99,9 @@ def load(
     (config.check_tp_parts), so that 1, 2, ... devices decode the same tokens; without it, a bf16 model on
     2 devices does not decode what it decodes on 1.
 
+    `fp8` (JAX engine, one device): the linears as FP8 values with a float32 scale per output row
+    (specdec.models.fp8), read at one byte a weight; the gates hold for the FP8 model as for the bf16 one.
+
     `tokenizer_in_child`, for one-off generations: the tokenizer is parsed in a child process while this one
     loads the engine, which takes its parse (about 1.4 s for Gemma's, holding the GIL) off the cold start; each
     encode and decode is then a round trip to that process, so servers and benchmarks keep it in this one.
@@ -113,7 +117,7 @@ def load(
     # nothing (it holds the GIL: docs/benchmarks.md); in a child process it does.
     tokenizer = Tokenizer.from_dir(path, in_child=tokenizer_in_child)
     verifier, cfg = _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant,
-                                 compile, tensor_parallel, tp_parts)
+                                 compile, tensor_parallel, tp_parts, fp8)
     target = Target(path, cfg, tokenizer, verifier, engine, time.perf_counter() - start, start)
     if not tokenizer_in_child:  # else generate checks, once its programs compile: the parse may be under way
         target.check_tokenizer()
@@ -121,11 +125,13 @@ def load(
 
 
 def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant, compile,
-                 tensor_parallel=1, tp_parts=None):
+                 tensor_parallel=1, tp_parts=None, fp8=False):
     from specdec import compile_cache
 
     if tensor_parallel < 1:
         raise SpecdecError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+    if fp8 and engine != "jax":
+        raise SpecdecError("FP8 weights run in the JAX engine (engine='jax', --engine jax)")
     if engine == "torch":
         import torch
 
@@ -167,7 +173,7 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
         # compile_ahead): 1.3-1.7 s of a first run on an H200 that the compile no longer waits for.
         verifier = JaxEngine.from_checkpoint(
             path, dtype=dtype, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers,
-            invariant=invariant, mesh=mesh, tp_parts=tp_parts, background=mesh is None and tp_parts is None,
+            invariant=invariant, mesh=mesh, tp_parts=tp_parts, background=mesh is None and tp_parts is None, fp8=fp8,
         )
         cfg = verifier.cfg
     return verifier, cfg

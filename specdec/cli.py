@@ -78,6 +78,7 @@ def generate(
     compile: Optional[bool] = typer.Option(None, help="torch.compile the forward (CUDA): ~2.5x faster decoding after 10-45 s of compiling [default: from 2048 new tokens on]"),
     tensor_parallel: int = typer.Option(1, help="split the model over N devices (torch: launch with torchrun --nproc-per-node N; JAX: this process's first N devices)"),
     tp_parts: Optional[int] = typer.Option(None, help="compute each split weight in P parts on any device count dividing P, so 1..P devices decode identical tokens (costs launches)"),
+    fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight (JAX engine, one device)"),
 ):
     """Generate text, streaming it, then print set-up and decoding times, tau, acceptance and tok/s."""
     import specdec
@@ -101,7 +102,7 @@ def generate(
 
     loaded = specdec.load(target, engine=engine, device=device, dtype=dtype, k_max=max(k, 1), max_seq_len=max_seq_len,
                           invariant=invariant, compile=compile, hidden_layers=drafter_taps(drafter, target),
-                          tensor_parallel=tensor_parallel, tp_parts=tp_parts, tokenizer_in_child=True)
+                          tensor_parallel=tensor_parallel, tp_parts=tp_parts, tokenizer_in_child=True, fp8=fp8)
     out = sys.stdout if rank == 0 else io.StringIO()
     out.write(prompt)
     out.flush()
@@ -144,6 +145,7 @@ def validate(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (torch engine)"),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
     evidence: Path = typer.Option(Path("specdec-validate.json"), help="JSON evidence file to write"),
+    fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight (JAX engine, one device)"),
 ):
     """Run the lossless gates on one prompt or a file of them; print a table per prompt and a summary, write
     a JSON evidence file. Exit 1 on any failure."""
@@ -174,7 +176,7 @@ def validate(
     factory = (lambda verifier, k: source.build(verifier, k)) if stateful else None
     eut, batch_engines = [], []
     for name in engines:
-        units, batch_engine = _gate_engines(name, path, device, dtype, k_max, context, invariant, source.taps)
+        units, batch_engine = _gate_engines(name, path, device, dtype, k_max, context, invariant, source.taps, fp8)
         eut += units
         batch_engines.append(batch_engine)
     steps = sum(2 + (self_draft and e.name.startswith("torch")) for e in eut) * len(texts) + len(engines) * (1 + stateful)
@@ -203,7 +205,7 @@ def validate(
     _print_gate_tables(texts, results)
     record = {
         "date": now_utc(), "commit": git_commit(), "target": str(target or "embedded gemma-3-270m"),
-        "engines": [e.name for e in eut], "drafter": drafter, "invariant": invariant, "tokens": tokens, "k_max": k_max,
+        "engines": [e.name for e in eut], "drafter": drafter, "invariant": invariant, "fp8": fp8, "tokens": tokens, "k_max": k_max,
         "prompts": texts, "passed": all(r.passed for _, r in results),
         "gates": [{"prompt": i, "name": r.name, "passed": r.passed, "detail": r.detail} for i, r in results],
     }
@@ -278,14 +280,14 @@ def _cuda_available() -> bool:
         return False
 
 
-def _gate_engines(engine, path, device, dtype, k_max, context, invariant, hidden_layers=()):
+def _gate_engines(engine, path, device, dtype, k_max, context, invariant, hidden_layers=(), fp8=False):
     """The engine configurations the gates of a loaded target run on, and a builder of a batch engine over
     the same weights (rows -> engine; for the end-to-end sampled gate, k_max 2)."""
     import specdec
     from specdec import gates
 
     loaded = specdec.load(path, engine=engine, device=device, dtype=dtype, k_max=k_max, max_seq_len=context,
-                          invariant=invariant)
+                          invariant=invariant, fp8=fp8)
     if engine == "torch":
         from specdec.verifiers.torch_engine import TorchEngine
 

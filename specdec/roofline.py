@@ -104,16 +104,31 @@ def checkpoint_270m() -> Path:
     return default_checkpoint()
 
 
-def step_bytes(cfg, itemsize: int, context: int, k_max: int) -> dict[str, int]:
+def step_bytes(cfg, itemsize: int, context: int, k_max: int, fp8: bool = False) -> dict[str, int]:
     """What one batch-1 decode step reads: every weight (a single row of a table that is only looked up) and
-    every allocated KV slot of an engine of `context` positions and drafts of up to `k_max` tokens."""
+    every allocated KV slot of an engine of `context` positions and drafts of up to `k_max` tokens. `fp8`: the
+    linears at a byte a weight and 4 a row for their scales (specdec.models.fp8); a tied head reads its FP8 copy,
+    and its table a row a token."""
     from specdec.models.checkpoint import expected_shapes
+    from specdec.models.fp8 import quantizes
 
+    shapes = dict(expected_shapes(cfg))
     lookup_only = {"embed_tokens_per_layer.weight"} | ({"embed_tokens.weight"} if not cfg.tie_word_embeddings else set())
-    weights = sum(math.prod(shape[1:] if name in lookup_only else shape) for name, shape in expected_shapes(cfg).items())
+    if fp8 and cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = shapes["embed_tokens.weight"]
+        lookup_only.add("embed_tokens.weight")
+
+    def read(name: str, shape) -> int:
+        if name in lookup_only:
+            return math.prod(shape[1:]) * itemsize
+        if fp8 and quantizes(name, shape):
+            return math.prod(shape) + shape[0] * 4
+        return math.prod(shape) * itemsize
+
+    weights = sum(read(name, shape) for name, shape in shapes.items())
     kv = sum(math.prod(shape) * (2 if with_values else 1)
-             for shape, with_values in filter(None, cfg.kv_cache_shapes(1, context, k_max)))
-    return {"weights": weights * itemsize, "kv_cache": kv * itemsize, "total": (weights + kv) * itemsize}
+             for shape, with_values in filter(None, cfg.kv_cache_shapes(1, context, k_max))) * itemsize
+    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
 
 
 def seconds_per_step(cycle, prompt: list[int], steps: int, warm_up: int) -> tuple[float, float]:
@@ -274,11 +289,12 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
     split = dict(mesh=make_mesh(tp) if tp > 1 else None, tp_parts=args.tp_parts)
     pack = tp == 1 and args.tp_parts is None  # as a one-device engine holds them
     if checkpoint:
-        cfg, params = load_params(checkpoint, dtype, pack=pack)
+        cfg, params = load_params(checkpoint, dtype, pack=pack, fp8=args.fp8)
     else:
         # Split over a mesh or in parts, the weights are made a layer at a time into host memory, and the engine
         # places each device's share: the whole 31B (62 GB) made on the first H100 left no room there for its share.
-        params = random_params(cfg, jax.random.key(0), dtype, pack=pack, place=None if pack else jax.device_get)
+        params = random_params(cfg, jax.random.key(0), dtype, pack=pack, place=None if pack else jax.device_get,
+                               fp8=args.fp8)
     engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=args.k_max, **split)
     del params  # a mesh's shards are copies: one model's weights held, not two
     step, median, tokens = time_plain_decode(JaxFusedCycle(engine, None, 0), prompt, args, 16, 16, "compiled")
@@ -324,8 +340,9 @@ def child(engine: str, name: str, tp: int, args) -> dict | None:
     result = (measure_torch if engine == "torch" else measure_jax)(cfg, checkpoint, prompt, args, tp)
     if result is None:
         return None
-    return dict(result, engine=engine, model=name, tensor_parallel=tp, tp_parts=args.tp_parts,
-                bytes_per_step=step_bytes(cfg, result["itemsize"], args.context, args.k_max),
+    return dict(result, engine=f"{engine}-fp8" if args.fp8 else engine, model=name, tensor_parallel=tp,
+                tp_parts=args.tp_parts, bytes_per_step=step_bytes(cfg, result["itemsize"], args.context, args.k_max,
+                                                                  args.fp8),
                 **({"layers": cfg.num_layers} if args.layers else {}))
 
 
@@ -350,6 +367,7 @@ def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dic
     command += ["--config-270m", str(args.config_270m)] if args.config_270m else []
     command += ["--tp-parts", str(args.tp_parts)] if args.tp_parts else []
     command += ["--layers", str(args.layers)] if args.layers else []
+    command += ["--fp8"] * args.fp8
     return command, env
 
 
@@ -513,6 +531,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k-max", type=int, default=DEFAULT_DRAFTS, help="the engines' largest K, which sets their "
                         "decode width (k_max + 1 rounded up to 8 rows) [default: specdec generate's --k]")
     parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke test)")
+    parser.add_argument("--fp8", action="store_true", help="FP8 linears (specdec.models.fp8; the JAX engine alone), "
+                        "their rows labelled jax-fp8 and their roofline at FP8's bytes")
     parser.add_argument("--replot", type=Path, nargs="+", help="print and draw results files (merged) and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -523,6 +543,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.context < needed:
         parser.error(f"--context {args.context} is too short for a {PROMPT_TOKENS}-token prompt and {MOST_WARM_UP} + "
                      f"{max(args.steps, args.tokens)} decode steps: at least {needed}")
+    if args.fp8 and not args.child and (args.engines != "jax" or args.tensor_parallel != "1" or args.tp_parts):
+        parser.error("--fp8 runs the JAX engine on one device: --engines jax, no tensor parallelism")
     if args.layers and "e4b" in models:
         parser.error("--layers does not cut e4b, whose last layers share the caches of earlier ones")
     if args.child:

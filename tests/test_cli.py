@@ -93,6 +93,7 @@ def test_prompt_longer_than_the_context(ckpt):
         (["-k", "-2"], "-k"),
         (["--engine", "tpu"], "unknown engine 'tpu'"),
         (["--drafter", "eagle9"], "unknown drafter 'eagle9'"),
+        (["--fp8"], "FP8 weights run in the JAX engine"),
     ],
 )
 def test_bad_flags(ckpt, flags, needle):
@@ -157,6 +158,18 @@ def test_validate_runs_every_gate_per_prompt(ckpt, tmp_path):
                          "self_draft_k1/torch/eager", "self_draft_k2/torch/eager"}
     assert "gates per prompt" in out and "Once upon a time" in out
     assert "2/2 prompts pass every gate" in err
+
+
+def test_validate_gates_fp8_weights_in_the_jax_engine(ckpt, tmp_path):
+    """The gates on FP8 linears: K=0 bit-identical to plain decode, greedy speculative output the plain decode's;
+    the evidence says the weights were FP8."""
+    evidence = tmp_path / "evidence.json"
+    code, _, err = run("validate", "--target", str(ckpt), "--engine", "jax", "--fp8", "--prompt", "def add(a, b):",
+                       "--tokens", "12", "--k-max", "2", "--draws", "2000", "--evidence", str(evidence))
+    assert code == 0, err
+    record = json.loads(evidence.read_text())
+    assert record["passed"] and record["fp8"]
+    assert {"k0_bit_identical/jax", "greedy_k1/jax", "greedy_k2/jax"} <= {g["name"] for g in record["gates"]}
 
 
 def test_validate_reads_plain_text_prompts(tmp_path):

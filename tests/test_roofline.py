@@ -65,6 +65,25 @@ def test_context_and_k_max_size_the_caches_and_the_bytes_a_step_reads(tmp_path):
         cfg, itemsize, roofline_module.CONTEXT, 8)["kv_cache"]
 
 
+def test_fp8_steps_read_a_byte_a_linear_weight_and_a_scale_a_row():
+    """The 270M's layout (tied head): with FP8 linears, each linear's bytes halve but for 4 a row of scales, the head
+    reads its FP8 copy and the token table one row; norms and the KV cache keep the model's dtype."""
+    from specdec.models.checkpoint import expected_shapes
+
+    cfg = GemmaConfig.from_dict(roofline_module.model_config("270m", SimpleNamespace(tiny=True, layers=None)))
+    bf16, fp8 = (roofline_module.step_bytes(cfg, 2, 256, 4, fp8=f) for f in (False, True))
+    linears = {n: s for n, s in expected_shapes(cfg).items() if n.endswith("_proj.weight")}
+    vocab, hidden = expected_shapes(cfg)["embed_tokens.weight"]
+    saved = sum(s[0] * s[1] - 4 * s[0] for s in linears.values()) + vocab * hidden - 4 * vocab - 2 * hidden
+    assert bf16["weights"] - fp8["weights"] == saved
+    assert bf16["kv_cache"] == fp8["kv_cache"]
+
+
+def test_fp8_runs_the_jax_engine_on_one_device():
+    done = roofline("--tiny", "--fp8", "--engines", "torch,jax", "--models", "270m")
+    assert done.returncode != 0 and "--fp8 runs the JAX engine on one device" in done.stderr
+
+
 def test_a_failed_measurement_fails_the_run():
     """Three devices do not divide the toy 31B's 2 KV heads: its measurement fails, and so does the run."""
     done = roofline("--tiny", "--models", "31b", "--engines", "torch", "--tensor-parallel", "3", "--steps", "2")

@@ -15,7 +15,8 @@ added in one order (sum_parts).
 
 Params are the checkpoint's tensors under their stripped HF names (`layers.3.self_attn.q_proj.weight`), in
 torch's [out, in] layout, or those with each layer's q/k/v and gate/up packed into one weight
-(`pack_projections`). `cfg` is not hashable (it holds a dict), so jit closes over it rather than taking it as a
+(`pack_projections`); with FP8 weights (specdec.models.fp8), each linear's weight is an Fp8Weight, its values and
+scales. `cfg` is not hashable (it holds a dict), so jit closes over it rather than taking it as a
 static argument: `jax.jit(lambda p, t, pos, c: forward(p, cfg, t, pos, c), donate_argnums=3)`.
 """
 
@@ -32,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.models import jax_decode_attention, jax_decode_norms
+from specdec.models.fp8 import Fp8Weight, quantize, quantize_params, quantizes
+from specdec.models.fp8 import product as fp8_product
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
 from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq, vocab_rows
 from specdec.models.decode_plan import reduction_splits
@@ -46,24 +49,53 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def load_params(path: str | Path, dtype=None, pack: bool = False) -> tuple[GemmaConfig, Params]:
+def load_params(path: str | Path, dtype=None, pack: bool = False, fp8: bool = False) -> tuple[GemmaConfig, Params]:
     """Config and device arrays of a HF checkpoint directory, cast to `dtype` (default_dtype() if None) and,
-    with `pack`, packed (pack_projections). Tensors are read memory-mapped and cast on the device."""
+    with `pack`, packed (pack_projections); with `fp8`, its linears in FP8 (fp8_params). Tensors are read
+    memory-mapped and cast on the device."""
     cfg, tensors = load_checkpoint(path, framework="numpy")
-    return cfg, to_device(tensors, dtype, pack)
+    return cfg, to_device(tensors, dtype, pack, fp8=fp8, tied=cfg.tie_word_embeddings)
 
 
-def to_device(tensors: dict[str, np.ndarray], dtype=None, pack: bool = False) -> Params:
+def to_device(tensors: dict[str, np.ndarray], dtype=None, pack: bool = False, fp8: bool = False,
+              tied: bool = True) -> Params:
     """Host tensors as device arrays of `dtype` (default_dtype() if None), packed with `pack`: one transfer
     call for every tensor (they overlap) and one compiled cast, rather than a transfer and an eagerly
-    dispatched cast per tensor. Packing in that program costs no pass and no memory of its own."""
-    return _cast_params(jax.device_put(tensors), jnp.dtype(dtype or default_dtype()), pack)
+    dispatched cast per tensor. Packing in that program costs no pass and no memory of its own. `fp8`: the
+    linears quantized from the checkpoint's values in that program (fp8_params; `tied`: the token table is the
+    LM head)."""
+    return _cast_params(jax.device_put(tensors), jnp.dtype(dtype or default_dtype()), pack, fp8, fp8 and tied)
 
 
-@partial(jax.jit, static_argnums=(1, 2))
-def _cast_params(params: Params, dtype, pack: bool) -> Params:
-    params = {name: t.astype(dtype) for name, t in params.items()}
-    return pack_projections(params) if pack else params
+@partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _cast_params(params: Params, dtype, pack: bool, fp8: bool, tied_fp8_head: bool) -> Params:
+    cast = {name: quantize(t) if fp8 and quantizes(name, t.shape) else t.astype(dtype) for name, t in params.items()}
+    if tied_fp8_head:
+        cast["lm_head.weight"] = quantize(params["embed_tokens.weight"])
+    return pack_projections(cast) if pack else cast
+
+
+def to_device_shapes(tensors: dict[str, np.ndarray], dtype=None, pack: bool = False, fp8: bool = False,
+                     tied: bool = True) -> Params:
+    """What to_device returns for `tensors`, as shapes and dtypes (jax.ShapeDtypeStruct), moving nothing."""
+    structs = {name: jax.ShapeDtypeStruct(t.shape, t.dtype) for name, t in tensors.items()}
+    dtype = jnp.dtype(dtype or default_dtype())
+    return jax.eval_shape(lambda t: _cast_params(t, dtype, pack, fp8, fp8 and tied), structs)
+
+
+def fp8_params(params: Params, cfg: GemmaConfig) -> Params:
+    """params with their linears as FP8 weights (specdec.models.fp8.quantize_params), a tied LM head as an FP8
+    copy of the token table."""
+    tied = cfg.tie_word_embeddings and "embed_tokens.weight" in params
+    return _fp8_params(params, "embed_tokens.weight" if tied else None)
+
+
+_fp8_params = jax.jit(quantize_params, static_argnums=1)
+
+
+def is_fp8(params: Params) -> bool:
+    """Whether params hold FP8 weights (their LM head always is one)."""
+    return any(isinstance(w, Fp8Weight) for w in params.values())
 
 
 # Linears that read one input, in the order their packed weight stacks them.
@@ -96,7 +128,10 @@ def pack_projections(params: Params, parts: int = 1, pack: Callable[[list], jax.
 
 
 def pack_rows(weights: list, parts: int = 1) -> jax.Array:
-    """[out_i, in] weights as one [sum of out_i, in]: in `parts`, each weight's rows of part 0, then of part 1, ..."""
+    """[out_i, in] weights as one [sum of out_i, in]: in `parts`, each weight's rows of part 0, then of part 1, ...
+    FP8 weights pack their values and their scales (a scale per row) alike."""
+    if isinstance(weights[0], Fp8Weight):
+        return Fp8Weight(*(pack_rows(list(field), parts) for field in zip(*weights)))
     chunks = [jnp.split(w, parts) for w in weights]
     return jnp.concatenate([chunk[part] for part in range(parts) for chunk in chunks])
 
@@ -123,11 +158,11 @@ class Parts:
 
 
 def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16, pack: bool = False,
-                  place: Callable[[Params], Params] | None = None) -> Params:
+                  place: Callable[[Params], Params] | None = None, fp8: bool = False) -> Params:
     """Random weights of every tensor the config needs, made on the device (benchmarks, sharding tests).
     Matrices ~ N(0, 1/fan_in); 1-D norms and scalars at their neutral value. `pack`: the same values with each
     layer packed (pack_projections) as it is made, so that no more than one layer's projections are held twice.
-    `place`: where each layer's weights go once made (jax.device_get: host memory), so that the device holds one
+    `fp8`: each layer's linears then quantized (fp8_params) as it is made. `place`: where each layer's weights go once made (jax.device_get: host memory), so that the device holds one
     layer's at a time (a model larger than one device, for a mesh to split)."""
     neutral = 1.0 - cfg.norm_weight_offset  # Gemma 3 norms scale by (1 + w), Gemma 4 by w
 
@@ -141,6 +176,7 @@ def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16, pack: bo
     for _, group in itertools.groupby(named, key=lambda item: layer_prefix(item[1][0])):
         made = {name: make(i, shape) for i, (name, shape) in group}
         made = pack_projections(made) if pack else made
+        made = fp8_params(made, cfg) if fp8 else made
         params.update(place(made) if place else made)
     return params
 
@@ -176,6 +212,8 @@ def reset_cache(cache: Cache) -> Cache:
 
 
 def _linear(x, weight):
+    if isinstance(weight, Fp8Weight):  # scaled in float32, rounded once (specdec.models.fp8)
+        return fp8_product(x, weight).astype(x.dtype)
     return x @ weight.T
 
 
@@ -183,14 +221,17 @@ def _split_product(x, weight, multiple: int = 64):
     """x [B, T, K] by weight [N, K] as the products of its reduction's slices, [splits, B, T, N]: split as torch's
     are (reduction_splits, slices of a multiple of `multiple`), in float32, for a kernel that adds them in order and
     rounds the sum as _linear's product rounds; one slice holds _linear's product itself. The slices are views:
-    [B, T, splits, part] by [N, splits, part], as torch_gemma.split_products' are."""
+    [B, T, splits, part] by [N, splits, part], as torch_gemma.split_products' are. An FP8 weight's scales multiply
+    each slice's float32 product."""
     B, T, reduction = x.shape
     columns = weight.shape[0]
     splits = reduction_splits(B * T, columns, reduction, multiple)
     if splits == 1:
         return _linear(x, weight)[None]
-    return jax.lax.dot_general(x.reshape(B, T, splits, -1), weight.reshape(columns, splits, -1),
-                               (((3,), (2,)), ((2,), (1,))), preferred_element_type=jnp.float32)
+    values = weight.values.astype(x.dtype) if isinstance(weight, Fp8Weight) else weight
+    partials = jax.lax.dot_general(x.reshape(B, T, splits, -1), values.reshape(columns, splits, -1),
+                                   (((3,), (2,)), ((2,), (1,))), preferred_element_type=jnp.float32)
+    return partials * weight.scale if isinstance(weight, Fp8Weight) else partials
 
 
 def _split_linear(x, weight):
@@ -533,6 +574,12 @@ def _experts(params: Params, prefix: str, x, weights, index):
     return jnp.einsum("neh,ne->nh", out, dense_weights.astype(out.dtype))
 
 
+def _read_ahead(*weights) -> tuple:
+    """jax_decode_attention.prefetched of weights as they are stored: an FP8 weight's values, as bytes."""
+    return jax_decode_attention.prefetched(*(
+        jax.lax.bitcast_convert_type(w.values, jnp.uint8) if isinstance(w, Fp8Weight) else w for w in weights))
+
+
 def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_layer_input, ctx, cache, shared_kv,
                    writes, parts: Parts | None = None, normed=None, next_norm=None, next_weights=()):
     """-> (x after the layer, x through `next_norm` or None). `normed`: x through this layer's input norm, where
@@ -554,7 +601,7 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
                              weight_offset=cfg.norm_weight_offset)
     scale = params[p + "layer_scalar"] if cfg.is_gemma4 else None
     residual = x
-    ahead = jax_decode_attention.prefetched(params[p + "self_attn.o_proj.weight"],
+    ahead = _read_ahead(params[p + "self_attn.o_proj.weight"],
                                             *_weights(params, p + "mlp.", PACKS["mlp."]),
                                             params[p + "mlp.down_proj.weight"]) if closes else ()
     attn = _attention(params, cfg, spec, norm("input_layernorm", x) if normed is None else normed, ctx, cache,
@@ -569,7 +616,7 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
     if closes and not cfg.has_per_layer_inputs:
         down = _mlp(params, p + "mlp.", h, split=True)
         return residual_norms(down, residual, params[p + "post_feedforward_layernorm.weight"], next_norm, scale,
-                              prefetch=jax_decode_attention.prefetched(*next_weights))
+                              prefetch=_read_ahead(*next_weights))
     h = _mlp(params, p + "mlp.", h, parts)
     if cfg.enable_moe_block:
         flat = residual.reshape(-1, residual.shape[-1])
@@ -583,7 +630,7 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
         if closes:
             return residual_norms(_split_product(gated, params[p + "per_layer_projection.weight"]), x,
                                   params[p + "post_per_layer_input_norm.weight"], next_norm, scale,
-                                  prefetch=jax_decode_attention.prefetched(*next_weights))
+                                  prefetch=_read_ahead(*next_weights))
         x = x + norm("post_per_layer_input_norm", _linear(gated, params[p + "per_layer_projection.weight"]))
     if cfg.is_gemma4:
         x = x * scale
@@ -702,9 +749,10 @@ def final_logits(params: Params, cfg: GemmaConfig, hidden, vocab_ids=None, parts
     the cast then fuses into the reader, rather than writing every row's float32 logits (a 4 us kernel on the
     270M's decode forward)."""
     x = _rms_norm(hidden, params["norm.weight"], cfg)
-    head = params["embed_tokens.weight"] if cfg.tie_word_embeddings else params["lm_head.weight"]
+    own_head = not cfg.tie_word_embeddings or isinstance(params.get("lm_head.weight"), Fp8Weight)
+    head = params["lm_head.weight"] if own_head else params["embed_tokens.weight"]  # a tied head's FP8 copy is its own
     if vocab_ids is not None:
-        head = jnp.take(head, vocab_ids, axis=0)
+        head = jax.tree.map(lambda t: jnp.take(t, vocab_ids, axis=0), head)
     if parts is None:
         logits = _linear(x, head)
     else:

@@ -48,8 +48,9 @@ from specdec.generate import CycleResult, StopCondition, check_context
 from specdec.models.config import (PARTS_GPU_XLA_FLAGS, GemmaConfig, check_tensor_parallel, check_tp_parts,
                                    decode_width, round_up, tp_split_axis)
 from specdec.models.checkpoint import load_checkpoint
-from specdec.models.jax_gemma import (Cache, Params, Parts, default_dtype, forward, init_cache, load_params,
-                                      layer_prefix, pack_projections, pack_rows, reset_cache, to_device)
+from specdec.models.jax_gemma import (Cache, Params, Parts, default_dtype, forward, init_cache, is_fp8, load_params,
+                                      layer_prefix, pack_projections, pack_rows, reset_cache, to_device,
+                                      to_device_shapes)
 from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams, seed_words
 
@@ -84,7 +85,7 @@ def _packed(params: Params) -> Params:
     shapes = jax.eval_shape(pack_projections, params)
     if shapes.keys() == params.keys():
         return params  # packed already, or nothing to pack
-    if all(isinstance(a, jax.ShapeDtypeStruct) for a in params.values()):
+    if all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params)):
         return shapes
     return _pack_fn(params)
 
@@ -254,6 +255,9 @@ class JaxEngine:
             check_tp_parts(cfg, tp_parts, mesh.shape[TP_AXIS])
             self.parts = Parts(tp_parts, mesh.shape[TP_AXIS], TP_AXIS)
         self.mesh = mesh
+        self.fp8 = is_fp8(params)
+        if self.fp8 and mesh is not None:
+            raise SpecdecError("FP8 weights run on one device: drop tensor parallelism (or the FP8 weights)")
         if self.parts is not None and jax.default_backend() == "gpu" and (
                 not set(PARTS_GPU_XLA_FLAGS) <= set(os.environ.get("XLA_FLAGS", "").split())):
             raise SpecdecError(f"tensor-parallel parts on GPUs compute the same bits on every device count only with "
@@ -263,8 +267,8 @@ class JaxEngine:
         # What programs are lowered against: the weights' shapes, known before the weights themselves arrive;
         # with a mesh, their shardings too (on one device, a sharding named here would lower another program
         # than the call with the arrays does).
-        self.param_shapes = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if mesh is not None else None)
-                             for name, a in self._params.items()}
+        self.param_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=a.sharding if mesh is not None else None), self._params)
         # from_checkpoint(background=True): the transfer of (weights, cache), before and after it starts
         self._transfer: Callable[[], tuple[Params, Cache]] | None = None
         self._in_transfer: Future | None = None
@@ -295,23 +299,25 @@ class JaxEngine:
         self.prefill_hidden: list[np.ndarray | None] = [None] * batch
 
     @classmethod
-    def from_checkpoint(cls, path, dtype=None, background: bool = False, **kwargs) -> "JaxEngine":
+    def from_checkpoint(cls, path, dtype=None, background: bool = False, fp8: bool = False, **kwargs) -> "JaxEngine":
         """The engine of a HF checkpoint directory. `background`: the checkpoint is read and checked now, and
         its weights and the cache go to the device in a thread, so that programs compile meanwhile (against
         param_shapes and cache_shapes). The thread starts at `start_transfer` or at the first use of `params`
-        or `cache`, which wait for it (and raise what it raised)."""
+        or `cache`, which wait for it (and raise what it raised). `fp8`: the linears in FP8 (specdec.models.fp8)."""
         pack = kwargs.get("mesh") is None and kwargs.get("tp_parts") is None
+        if fp8 and not pack:
+            raise SpecdecError("FP8 weights run on one device: drop tensor parallelism (or the FP8 weights)")
         if not background:
-            cfg, params = load_params(path, dtype, pack)
+            cfg, params = load_params(path, dtype, pack, fp8=fp8)
             return cls(cfg, params, **kwargs)
         cfg, tensors = load_checkpoint(path, framework="numpy")
         dtype = jnp.dtype(dtype or default_dtype())
-        engine = cls(cfg, {name: jax.ShapeDtypeStruct(t.shape, dtype) for name, t in tensors.items()},
+        engine = cls(cfg, to_device_shapes(tensors, dtype, fp8=fp8, tied=cfg.tie_word_embeddings),
                      allocate_cache=False, **kwargs)
 
         def transfer():
             # The cache here too: on a first run its constructors compile small programs (about 0.5 s on an H200).
-            params, cache = to_device(tensors, dtype, pack), engine._new_cache()
+            params, cache = to_device(tensors, dtype, pack, fp8=fp8, tied=cfg.tie_word_embeddings), engine._new_cache()
             jax.block_until_ready((params, cache))
             engine.weights_ready_at = time.perf_counter()
             return params, cache
