@@ -224,7 +224,7 @@ def test_weights_moved_in_the_background_are_the_checkpoints(random_checkpoints,
                                                                                      later.cache_shapes)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(later.cache), jax.tree.leaves(synchronous.cache)))
 
-    def fail(tensors, dtype, pack):
+    def fail(tensors, dtype, pack, **_):
         raise MemoryError("out of device memory")
 
     monkeypatch.setattr(jax_engine, "to_device", fail)
