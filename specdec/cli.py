@@ -379,6 +379,7 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, help="the model name requests use [default: the checkpoint directory's name]"),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
     compile: bool = typer.Option(True, help="torch.compile the forward (torch on CUDA)"),
+    fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight (JAX engine, one device)"),
 ):
     """Serve the OpenAI API (completions and chat, streamed or whole) from one warm engine, batching
     concurrent requests continuously; /metrics for Prometheus, /health."""
@@ -390,7 +391,7 @@ def serve(
 
     config = ServeConfig(target=target, engine=engine, host=host, port=port, max_num_seqs=max_num_seqs,
                          max_model_len=max_model_len, speculative=SpeculativeConfig.from_json(speculative_config),
-                         served_model_name=served_model_name, dtype=dtype, compile=compile)
+                         served_model_name=served_model_name, dtype=dtype, compile=compile, fp8=fp8)
     server = ModelServer(config)
     url = server.start()
     print(f"serving {server.model_name} at {url}/v1 ({engine}, {max_num_seqs} rows, k={config.speculative.k})", flush=True)

@@ -51,6 +51,7 @@ class ServeConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     served_model_name: str | None = None  # None: the checkpoint directory's name
     dtype: str | None = None
+    fp8: bool = False  # FP8 linears (specdec.models.fp8; the JAX engine)
     compile: bool = True  # torch on CUDA: torch.compile the forward (a server decodes long enough to repay it)
 
 
@@ -67,7 +68,7 @@ class ModelServer:
         self.config = config
         self.target = specdec.load(config.target, engine=config.engine, dtype=config.dtype,
                                    k_max=max(config.speculative.k, 1), max_seq_len=config.max_model_len,
-                                   batch=config.max_num_seqs, compile=config.compile)
+                                   batch=config.max_num_seqs, compile=config.compile, fp8=config.fp8)
         self.tokenizer: Tokenizer = self.target.tokenizer
         self.model_name = config.served_model_name or self.target.path.name
         self.device = device_name(self.target)
