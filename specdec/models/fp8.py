@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 
 E4M3_MAX = 448.0
-FORMATS = ("bf16", "fp8")  # what a user names: the model's dtype throughout, or FP8 linears
 
 
 class Fp8Weight(NamedTuple):

@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.models import jax_decode_attention, jax_decode_norms
-from specdec.models.fp8 import Fp8Weight, quantize, quantize_params, quantizes
-from specdec.models.fp8 import product as fp8_product
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
 from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq, vocab_rows
 from specdec.models.decode_plan import reduction_splits
+from specdec.models.fp8 import Fp8Weight, quantize_params
+from specdec.models.fp8 import product as fp8_product
 
 Params = dict[str, jax.Array]
 Cache = dict[str, Any]  # {"keys": [per layer], "values": [per layer], "slot_pos": {kind: [B, S] int32}}
@@ -64,14 +64,13 @@ def to_device(tensors: dict[str, np.ndarray], dtype=None, pack: bool = False, fp
     dispatched cast per tensor. Packing in that program costs no pass and no memory of its own. `fp8`: the
     linears quantized from the checkpoint's values in that program (fp8_params; `tied`: the token table is the
     LM head)."""
-    return _cast_params(jax.device_put(tensors), jnp.dtype(dtype or default_dtype()), pack, fp8, fp8 and tied)
+    return _cast_params(jax.device_put(tensors), jnp.dtype(dtype or default_dtype()), pack, fp8, tied)
 
 
 @partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _cast_params(params: Params, dtype, pack: bool, fp8: bool, tied_fp8_head: bool) -> Params:
-    cast = {name: quantize(t) if fp8 and quantizes(name, t.shape) else t.astype(dtype) for name, t in params.items()}
-    if tied_fp8_head:
-        cast["lm_head.weight"] = quantize(params["embed_tokens.weight"])
+def _cast_params(params: Params, dtype, pack: bool, fp8: bool, tied: bool) -> Params:
+    params = quantize_params(params, "embed_tokens.weight" if tied else None) if fp8 else params
+    cast = {name: t if isinstance(t, Fp8Weight) else t.astype(dtype) for name, t in params.items()}
     return pack_projections(cast) if pack else cast
 
 
@@ -80,7 +79,7 @@ def to_device_shapes(tensors: dict[str, np.ndarray], dtype=None, pack: bool = Fa
     """What to_device returns for `tensors`, as shapes and dtypes (jax.ShapeDtypeStruct), moving nothing."""
     structs = {name: jax.ShapeDtypeStruct(t.shape, t.dtype) for name, t in tensors.items()}
     dtype = jnp.dtype(dtype or default_dtype())
-    return jax.eval_shape(lambda t: _cast_params(t, dtype, pack, fp8, fp8 and tied), structs)
+    return jax.eval_shape(lambda t: _cast_params(t, dtype, pack, fp8, tied), structs)
 
 
 def fp8_params(params: Params, cfg: GemmaConfig) -> Params:
@@ -162,8 +161,9 @@ def random_params(cfg: GemmaConfig, key: jax.Array, dtype=jnp.bfloat16, pack: bo
     """Random weights of every tensor the config needs, made on the device (benchmarks, sharding tests).
     Matrices ~ N(0, 1/fan_in); 1-D norms and scalars at their neutral value. `pack`: the same values with each
     layer packed (pack_projections) as it is made, so that no more than one layer's projections are held twice.
-    `fp8`: each layer's linears then quantized (fp8_params) as it is made. `place`: where each layer's weights go once made (jax.device_get: host memory), so that the device holds one
-    layer's at a time (a model larger than one device, for a mesh to split)."""
+    `fp8`: each layer's linears then quantized (fp8_params) as it is made. `place`: where each layer's weights go
+    once made (jax.device_get: host memory), so that the device holds one layer's at a time (a model larger than one
+    device, for a mesh to split)."""
     neutral = 1.0 - cfg.norm_weight_offset  # Gemma 3 norms scale by (1 + w), Gemma 4 by w
 
     def make(i, shape):
