@@ -118,7 +118,8 @@ def generate(
     out.write("\n")
     s = result.stats
     if rank == 0:
-        err.print(f"[dim]{engine} · drafter {drafter if s.k else 'none'} · k={s.k} · {s.summary()}[/dim]",
+        err.print(f"[dim]{engine}{' fp8' if fp8 else ''} · drafter {drafter if s.k else 'none'} · k={s.k} · "
+                  f"{s.summary()}[/dim]",
                   highlight=False, soft_wrap=True)
     if tensor_parallel > 1 and engine == "torch":
         from specdec.api import leave_distributed

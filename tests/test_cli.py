@@ -40,6 +40,12 @@ def test_generate_on_a_checkpoint_directory(ckpt):
     assert "k=0" in err and "8 tokens" in err
 
 
+def test_generate_with_fp8_weights_says_so(ckpt):
+    code, _, err = run("generate", "Hello", "--target", str(ckpt), "--engine", "jax", "--fp8", "--max-new-tokens", "8")
+    assert code == 0, err
+    assert "jax fp8 · drafter ngram" in err and "8 tokens" in err
+
+
 def test_truncated_safetensors(ckpt):
     weights = ckpt / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
