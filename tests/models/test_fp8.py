@@ -2,6 +2,7 @@
 engine with FP8 linears computing the model its values and scales stand for, losslessly (speculative = plain), with
 and without the decode kernels, and the errors of what it does not take."""
 
+import contextlib
 import dataclasses
 
 import jax
@@ -93,7 +94,7 @@ def test_fp8_greedy_speculative_output_is_the_plain_decodes(tmp_path, variant, k
     loads the same weights."""
     path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128)
     with jax.default_matmul_precision("highest"), \
-            (jax_decode_attention.interpreted() if kernels else jax.default_matmul_precision("highest")):
+            (jax_decode_attention.interpreted() if kernels else contextlib.nullcontext()):
         engine = JaxEngine.from_checkpoint(path, dtype=jnp.float32, fp8=True, max_seq_len=128, k_max=4)
         plain, speculative = plain_and_speculative(engine)
         background = JaxEngine.from_checkpoint(path, dtype=jnp.float32, fp8=True, max_seq_len=128, k_max=4,
