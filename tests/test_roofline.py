@@ -117,7 +117,7 @@ def test_jax_rows_in_parts_start_with_the_parts_xla_flag():
 
     child_command = roofline_module.child_command
     args = SimpleNamespace(steps=2, tokens=4, tiny=True, torch_compile=True, verify_widths=None, config_270m=None,
-                           tp_parts=2, layers=None, context=roofline_module.CONTEXT, k_max=4)
+                           tp_parts=2, layers=None, context=roofline_module.CONTEXT, k_max=4, fp8=False)
     _, env = child_command("jax", "31b", 2, args)
     assert env["XLA_FLAGS"].split()[-3:] == ["--xla_force_host_platform_device_count=2", *PARTS_GPU_XLA_FLAGS]
     without_parts = SimpleNamespace(**{**vars(args), "tp_parts": None})

@@ -86,12 +86,11 @@ def test_an_fp8_engine_computes_the_model_its_weights_stand_for(random_checkpoin
     np.testing.assert_allclose(logits, reference, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "gemma4_e"])
-@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("variant, kernels", [("gemma3", False), ("gemma4_e", True)])
 def test_fp8_greedy_speculative_output_is_the_plain_decodes(tmp_path, variant, kernels):
-    """The lossless gate on FP8 weights, through XLA's layers and through every decode kernel (interpreted): the
-    fused loop with a drafter wrong at every 5th position emits the plain decode's tokens; the background transfer
-    loads the same weights."""
+    """The lossless gate on FP8 weights, through XLA's layers (gemma3) and through every decode kernel, interpreted
+    (gemma4_e: per-layer inputs, KV sharing): the fused loop with a drafter wrong at every 5th position emits the plain
+    decode's tokens; the background transfer loads the same weights."""
     path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128)
     with jax.default_matmul_precision("highest"), \
             (jax_decode_attention.interpreted() if kernels else contextlib.nullcontext()):
