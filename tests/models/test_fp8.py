@@ -76,6 +76,7 @@ def test_an_fp8_engine_computes_the_model_its_weights_stand_for(random_checkpoin
         assert any("+" in name and isinstance(w, fp8.Fp8Weight) for name, w in params.items())  # packed q/k/v
         tokens = jnp.asarray([[2, 17, 40, 9, 33, 5, 1, 60]], jnp.int32)
         positions = jnp.arange(8, dtype=jnp.int32)[None]
+
         def run(params, cfg):
             return jax.jit(lambda p: jax_gemma.forward(p, cfg, tokens, positions, engine.cache, commit_first=True)[0])(
                 params)
