@@ -93,8 +93,8 @@ _fp8_params = jax.jit(quantize_params, static_argnums=1)
 
 
 def is_fp8(params: Params) -> bool:
-    """Whether params hold FP8 weights (their LM head always is one)."""
-    return any(isinstance(w, Fp8Weight) for w in params.values())
+    """Whether params hold FP8 weights: their LM head always is one (a tied head's FP8 copy included)."""
+    return isinstance(params.get("lm_head.weight"), Fp8Weight)
 
 
 # Linears that read one input, in the order their packed weight stacks them.
@@ -749,8 +749,8 @@ def final_logits(params: Params, cfg: GemmaConfig, hidden, vocab_ids=None, parts
     the cast then fuses into the reader, rather than writing every row's float32 logits (a 4 us kernel on the
     270M's decode forward)."""
     x = _rms_norm(hidden, params["norm.weight"], cfg)
-    own_head = not cfg.tie_word_embeddings or isinstance(params.get("lm_head.weight"), Fp8Weight)
-    head = params["lm_head.weight"] if own_head else params["embed_tokens.weight"]  # a tied head's FP8 copy is its own
+    own_head = not cfg.tie_word_embeddings or is_fp8(params)  # a tied head's FP8 copy is its own
+    head = params["lm_head.weight"] if own_head else params["embed_tokens.weight"]
     if vocab_ids is not None:
         head = jax.tree.map(lambda t: jnp.take(t, vocab_ids, axis=0), head)
     if parts is None:

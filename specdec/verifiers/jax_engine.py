@@ -78,6 +78,11 @@ def param_partition_spec(cfg: GemmaConfig, name: str, tp: int) -> P:
     return P() if axis is None else P(*[None] * axis, TP_AXIS)
 
 
+def _check_fp8_on_one_device(fp8: bool, split: bool) -> None:
+    if fp8 and split:
+        raise SpecdecError("FP8 weights run on one device: drop tensor parallelism (or the FP8 weights)")
+
+
 def _packed(params: Params) -> Params:
     """One device's weights with q/k/v and gate/up packed (jax_gemma.pack_projections), or their shapes.
     Weights already packed (from_checkpoint's, another engine's) come back as they are; others are copied
@@ -256,8 +261,7 @@ class JaxEngine:
             self.parts = Parts(tp_parts, mesh.shape[TP_AXIS], TP_AXIS)
         self.mesh = mesh
         self.fp8 = is_fp8(params)
-        if self.fp8 and mesh is not None:
-            raise SpecdecError("FP8 weights run on one device: drop tensor parallelism (or the FP8 weights)")
+        _check_fp8_on_one_device(self.fp8, split=mesh is not None)
         if self.parts is not None and jax.default_backend() == "gpu" and (
                 not set(PARTS_GPU_XLA_FLAGS) <= set(os.environ.get("XLA_FLAGS", "").split())):
             raise SpecdecError(f"tensor-parallel parts on GPUs compute the same bits on every device count only with "
@@ -305,8 +309,7 @@ class JaxEngine:
         param_shapes and cache_shapes). The thread starts at `start_transfer` or at the first use of `params`
         or `cache`, which wait for it (and raise what it raised). `fp8`: the linears in FP8 (specdec.models.fp8)."""
         pack = kwargs.get("mesh") is None and kwargs.get("tp_parts") is None
-        if fp8 and not pack:
-            raise SpecdecError("FP8 weights run on one device: drop tensor parallelism (or the FP8 weights)")
+        _check_fp8_on_one_device(fp8, split=not pack)  # before the checkpoint is read
         if not background:
             cfg, params = load_params(path, dtype, pack, fp8=fp8)
             return cls(cfg, params, **kwargs)
