@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from specdec.evidence import git_commit, now_utc
-from specdec.models import fp8
+from specdec.models import jax_fp8 as fp8
 
 SHAPES = {"270m lm_head": (262144, 640), "270m gate/up": (4096, 640), "270m down": (640, 2048),
           "31b gate/up": (43008, 5376), "31b down": (5376, 21504), "e4b gate/up": (20480, 2560)}

@@ -240,9 +240,10 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
             device = f"cuda:{torch.cuda.current_device()}"
     if checkpoint:
         model = GemmaModel.from_checkpoint(checkpoint, dtype=dtype, device=device, max_seq_len=args.context,
-                                           tp_group=group, tp_parts=args.tp_parts)
+                                           tp_group=group, tp_parts=args.tp_parts, fp8=args.fp8)
     else:
-        model = GemmaModel.random(cfg, dtype, device, args.context, tp_group=group, tp_parts=args.tp_parts)
+        model = GemmaModel.random(cfg, dtype, device, args.context, tp_group=group, tp_parts=args.tp_parts,
+                                  fp8=args.fp8)
     engine = TorchEngine(model, max_seq_len=args.context, k_max=args.k_max, compile=cuda and args.torch_compile)
     with torch.inference_mode():
         step, median, tokens = time_plain_decode(FusedCycle(engine, None, 0), prompt, args, 8, 3,
@@ -531,8 +532,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k-max", type=int, default=DEFAULT_DRAFTS, help="the engines' largest K, which sets their "
                         "decode width (k_max + 1 rounded up to 8 rows) [default: specdec generate's --k]")
     parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke test)")
-    parser.add_argument("--fp8", action="store_true", help="FP8 linears (specdec.models.fp8; the JAX engine alone), "
-                        "their rows labelled jax-fp8 and their roofline at FP8's bytes")
+    parser.add_argument("--fp8", action="store_true", help="FP8 linears (specdec.models.fp8; one device), their rows "
+                        "labelled ENGINE-fp8 and their roofline at FP8's bytes")
     parser.add_argument("--replot", type=Path, nargs="+", help="print and draw results files (merged) and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -543,8 +544,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.context < needed:
         parser.error(f"--context {args.context} is too short for a {PROMPT_TOKENS}-token prompt and {MOST_WARM_UP} + "
                      f"{max(args.steps, args.tokens)} decode steps: at least {needed}")
-    if args.fp8 and not args.child and (args.engines != "jax" or args.tensor_parallel != "1" or args.tp_parts):
-        parser.error("--fp8 runs the JAX engine on one device: --engines jax, no tensor parallelism")
+    if args.fp8 and not args.child and (args.tensor_parallel != "1" or args.tp_parts):
+        parser.error("--fp8 runs on one device: no tensor parallelism")
     if args.layers and "e4b" in models:
         parser.error("--layers does not cut e4b, whose last layers share the caches of earlier ones")
     if args.child:

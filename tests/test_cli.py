@@ -40,10 +40,11 @@ def test_generate_on_a_checkpoint_directory(ckpt):
     assert "k=0" in err and "8 tokens" in err
 
 
-def test_generate_with_fp8_weights_says_so(ckpt):
-    code, _, err = run("generate", "Hello", "--target", str(ckpt), "--engine", "jax", "--fp8", "--max-new-tokens", "8")
+@pytest.mark.parametrize("engine", ["torch", "jax"])
+def test_generate_with_fp8_weights_says_so(ckpt, engine):
+    code, _, err = run("generate", "Hello", "--target", str(ckpt), "--engine", engine, "--fp8", "--max-new-tokens", "8")
     assert code == 0, err
-    assert "jax fp8 · drafter ngram" in err and "8 tokens" in err
+    assert f"{engine} fp8 · drafter ngram" in err and "8 tokens" in err
 
 
 def test_truncated_safetensors(ckpt):
@@ -99,7 +100,7 @@ def test_prompt_longer_than_the_context(ckpt):
         (["-k", "-2"], "-k"),
         (["--engine", "tpu"], "unknown engine 'tpu'"),
         (["--drafter", "eagle9"], "unknown drafter 'eagle9'"),
-        (["--fp8"], "FP8 weights run in the JAX engine"),
+        (["--fp8", "--tp-parts", "2"], "FP8 weights run on one device"),
     ],
 )
 def test_bad_flags(ckpt, flags, needle):
@@ -166,16 +167,17 @@ def test_validate_runs_every_gate_per_prompt(ckpt, tmp_path):
     assert "2/2 prompts pass every gate" in err
 
 
-def test_validate_gates_fp8_weights_in_the_jax_engine(ckpt, tmp_path):
+@pytest.mark.parametrize("engine, unit", [("torch", "torch/eager"), ("jax", "jax")])
+def test_validate_gates_fp8_weights(ckpt, tmp_path, engine, unit):
     """The gates on FP8 linears: K=0 bit-identical to plain decode, greedy speculative output the plain decode's;
     the evidence says the weights were FP8."""
     evidence = tmp_path / "evidence.json"
-    code, _, err = run("validate", "--target", str(ckpt), "--engine", "jax", "--fp8", "--prompt", "def add(a, b):",
+    code, _, err = run("validate", "--target", str(ckpt), "--engine", engine, "--fp8", "--prompt", "def add(a, b):",
                        "--tokens", "12", "--k-max", "2", "--draws", "2000", "--evidence", str(evidence))
     assert code == 0, err
     record = json.loads(evidence.read_text())
     assert record["passed"] and record["fp8"]
-    assert {"k0_bit_identical/jax", "greedy_k1/jax", "greedy_k2/jax"} <= {g["name"] for g in record["gates"]}
+    assert {f"k0_bit_identical/{unit}", f"greedy_k1/{unit}", f"greedy_k2/{unit}"} <= {g["name"] for g in record["gates"]}
 
 
 def test_validate_reads_plain_text_prompts(tmp_path):

@@ -232,7 +232,6 @@ def test_jax_engine_serves_plain_decoding_and_refuses_chat_without_a_template(ra
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}'], "unknown keys"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--engine", "tensorflow"], "unknown engine"),
-    (["--fp8"], "FP8 weights run in the JAX engine"),
     (["--target", "/nonexistent"], "not a checkpoint directory"),
 ])
 def test_bad_flags_are_one_line_errors(flags, needle):

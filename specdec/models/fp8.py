@@ -4,9 +4,8 @@ A row's scale is its largest magnitude over e4m3's largest value (448; 1 for a r
 row over its scale, rounded to nearest. A product reads the values, converted exactly to the activations' dtype,
 accumulates in float32, and multiplies each output column by its row's scale before rounding:
 `y = round((x @ values.T) * scale)`. So the weights move at one byte each, and the scale costs one multiply a
-column. XLA fuses the conversion into its GEMM (on an H200, the 31B's down and gate/up products 1.5x and 2.0x
-faster than bf16's); dequantizing the weight before the product instead made XLA write the bf16 weight every step,
-about 3x slower than bf16 (docs/benchmarks.md).
+column. Both engines follow this spec (jax_fp8, torch_fp8); dequantizing a weight before its product would write the
+whole bf16 weight every step, about 3x slower than bf16 (docs/benchmarks.md).
 
 What is quantized: every linear whose rows are output features (the attention and MLP projections, Gemma 4's
 per-layer gates and projections, the LM head). Norms, token tables (a lookup reads one row), MoE experts and the
@@ -17,25 +16,9 @@ The engine's gates compare an FP8 engine with itself (speculative against plain 
 FP8 changes the model, not whether a run of it is lossless.
 """
 
-from __future__ import annotations
-
-from typing import NamedTuple
-
-import jax
-import jax.numpy as jnp
+from specdec.errors import SpecdecError
 
 E4M3_MAX = 448.0
-
-
-class Fp8Weight(NamedTuple):
-    """A linear's weight as FP8 values [N, K] and float32 scales [N] (a pytree: params hold it as an array)."""
-
-    values: jax.Array
-    scale: jax.Array
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.values.shape
 
 
 def quantizes(name: str, shape: tuple[int, ...]) -> bool:
@@ -45,31 +28,7 @@ def quantizes(name: str, shape: tuple[int, ...]) -> bool:
     return linear and len(shape) == 2
 
 
-def quantize(weight) -> Fp8Weight:
-    """weight [N, K] (any float dtype) -> Fp8Weight, a scale per row (module docstring)."""
-    w = weight.astype(jnp.float32)
-    peak = jnp.max(jnp.abs(w), axis=1)
-    scale = jnp.where(peak > 0, peak / E4M3_MAX, 1.0)
-    # e4m3fn has no infinity: a quotient rounded past 448 would convert to NaN, so it is clipped first
-    values = jnp.clip(w / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return Fp8Weight(values, scale)
-
-
-def quantize_params(params: dict, tied_head: str | None = None) -> dict:
-    """params with every weight that quantizes() as Fp8Weight; `tied_head`: the name of the token table that is also
-    the LM head, which gets an FP8 copy as `lm_head.weight`."""
-    out = {name: quantize(w) if quantizes(name, w.shape) else w for name, w in params.items()}
-    if tied_head is not None:
-        out["lm_head.weight"] = quantize(params[tied_head])
-    return out
-
-
-def product(x, weight: Fp8Weight):
-    """x [..., K] by weight's rows in float32, each output column times its row's scale: [..., N] float32."""
-    acc = jnp.matmul(x, weight.values.astype(x.dtype).T, preferred_element_type=jnp.float32)
-    return acc * weight.scale
-
-
-def dequantized(weight: Fp8Weight, dtype=jnp.float32):
-    """The weight its values and scales stand for, [N, K] in `dtype` (for tests and references)."""
-    return (weight.values.astype(jnp.float32) * weight.scale[:, None]).astype(dtype)
+def check_fp8_on_one_device(split: bool) -> None:
+    """FP8 weights run on one device: refuse them where the model is `split` (tensor parallelism or its parts)."""
+    if split:
+        raise SpecdecError("FP8 weights run on one device: drop tensor parallelism (or the FP8 weights)")

@@ -36,8 +36,8 @@ from specdec.models import jax_decode_attention, jax_decode_norms
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
 from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq, vocab_rows
 from specdec.models.decode_plan import reduction_splits
-from specdec.models.fp8 import Fp8Weight, quantize_params
-from specdec.models.fp8 import product as fp8_product
+from specdec.models.jax_fp8 import Fp8Weight, quantize_params
+from specdec.models.jax_fp8 import product as fp8_product
 
 Params = dict[str, jax.Array]
 Cache = dict[str, Any]  # {"keys": [per layer], "values": [per layer], "slot_pos": {kind: [B, S] int32}}
@@ -83,7 +83,7 @@ def to_device_shapes(tensors: dict[str, np.ndarray], dtype=None, pack: bool = Fa
 
 
 def fp8_params(params: Params, cfg: GemmaConfig) -> Params:
-    """params with their linears as FP8 weights (specdec.models.fp8.quantize_params), a tied LM head as an FP8
+    """params with their linears as FP8 weights (specdec.models.jax_fp8.quantize_params), a tied LM head as an FP8
     copy of the token table."""
     tied = cfg.tie_word_embeddings and "embed_tokens.weight" in params
     return _fp8_params(params, "embed_tokens.weight" if tied else None)

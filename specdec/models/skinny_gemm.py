@@ -23,6 +23,12 @@ MAX_WEIGHT_BYTES = 8 * 2**20  # larger weights stream as fast or faster through 
 SLICE = 256  # reduction elements per slice: one load of the weight tile, one product
 MAX_SPLITS = 16  # slices at most (the kernels that read the products add them)
 MAX_TILE = 128 * 128  # weight elements a program holds
+# FP8 weights, of any size (fp8_splits, plan): 32 columns a program, stepping through its slice 128 deep in a loop
+# pipelined 4 deep. Swept by scripts/tune_fp8_products.py on an H200 over 20 products of the 270M, E4B and the 31B:
+# the fastest block for 17 of them (docs/benchmarks.md).
+FP8_BLOCK_N, FP8_BLOCK_K, FP8_STAGES = 32, 128, 4
+FP8_PROGRAMS = 1024  # programs an FP8 product aims for: about 8 a SM on an H100's or H200's 132
+FP8_MIN_PART = 128
 
 
 @torch.compiler.assume_constant_result  # a constant in the traced forward
@@ -43,9 +49,17 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def split_products_kernel(x, w, out, rows, columns, part, stride_xm, stride_wn, stride_wk,
+    def add_step(acc, x_tile, w_tile, step, k, m_in, n_in, part, stride_wk, BLOCK_K: tl.constexpr):
+        offset = step * BLOCK_K
+        k_in = (offset + k)[None, :] < part
+        weight = tl.load(w_tile + offset * stride_wk, mask=n_in & k_in, other=0.0)
+        rows = tl.load(x_tile + offset, mask=m_in & k_in, other=0.0)
+        return acc + tl.dot(rows, tl.trans(weight.to(rows.dtype)))
+
+    @triton.jit
+    def split_products_kernel(x, w, scale, out, rows, columns, part, stride_xm, stride_wn, stride_wk,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              STEPS: tl.constexpr):
+                              STEPS: tl.constexpr, STAGES: tl.constexpr):
         block, split = tl.program_id(0), tl.program_id(1)
         m = tl.arange(0, BLOCK_M)
         n = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -55,14 +69,20 @@ def _kernel():
         x_tile = x + m[:, None] * stride_xm + (start + k)[None, :]
         m_in, n_in = m[:, None] < rows, n[:, None] < columns
         weight = tl.load(w_tile, mask=n_in & (k[None, :] < part), other=0.0)
+        if scale is not None:
+            scales = tl.load(scale + n, mask=n < columns, other=1.0)
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output; the weight is nobody's
-        acc = tl.dot(tl.load(x_tile, mask=m_in & (k[None, :] < part), other=0.0), tl.trans(weight))
-        for step in tl.static_range(1, STEPS):
-            offset = step * BLOCK_K
-            k_in = (offset + k)[None, :] < part
-            weight = tl.load(w_tile + offset * stride_wk, mask=n_in & k_in, other=0.0)
-            acc += tl.dot(tl.load(x_tile + offset, mask=m_in & k_in, other=0.0), tl.trans(weight))
+        first = tl.load(x_tile, mask=m_in & (k[None, :] < part), other=0.0)
+        acc = tl.dot(first, tl.trans(weight.to(first.dtype)))  # FP8 values convert exactly to bf16
+        if STAGES == 0:  # a few steps, unrolled: their loads all issue at once
+            for step in tl.static_range(1, STEPS):
+                acc = add_step(acc, x_tile, w_tile, step, k, m_in, n_in, part, stride_wk, BLOCK_K)
+        else:  # many steps (large weights), software-pipelined STAGES deep
+            for step in tl.range(1, STEPS, num_stages=STAGES):
+                acc = add_step(acc, x_tile, w_tile, step, k, m_in, n_in, part, stride_wk, BLOCK_K)
         tl.extra.cuda.gdc_launch_dependents()
+        if scale is not None:  # an FP8 weight: each column times its row's scale (specdec.models.fp8)
+            acc = acc * scales[None, :]
         tl.store(out + split * rows * columns + m[:, None] * columns + n[None, :], acc,
                  mask=(m[:, None] < rows) & (n[None, :] < columns))
 
@@ -70,9 +90,11 @@ def _kernel():
 
 
 def takes(weight: torch.Tensor) -> bool:
-    """Whether a product of few rows with `weight` runs here: bf16 or fp16 weights up to MAX_WEIGHT_BYTES."""
+    """Whether a product of few rows with `weight` runs here: bf16 or fp16 weights up to MAX_WEIGHT_BYTES, FP8
+    weights of any size (cuBLAS has no product of them with bf16 rows)."""
     small = weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
-    return weight.dtype in (torch.bfloat16, torch.float16) and small and available()
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    return (fp8 or (weight.dtype in (torch.bfloat16, torch.float16) and small)) and available()
 
 
 def splits(reduction: int) -> int:
@@ -84,19 +106,37 @@ def splits(reduction: int) -> int:
     return count
 
 
-def plan(rows: int, columns: int, splits: int, part: int, processors: int) -> dict:
+def fp8_splits(rows: int, columns: int, reduction: int) -> int:
+    """Slices of an FP8 product's reduction: doubled while the product has fewer than FP8_PROGRAMS programs, a slice
+    stays at least FP8_MIN_PART deep (a multiple of 16), and the float32 partial products (written, then read by
+    the kernel that adds them) stay within 1 MB or an eighth of the weight's bytes."""
+    count = 1
+    while (-(-columns // FP8_BLOCK_N) * count < FP8_PROGRAMS and count < MAX_SPLITS
+           and reduction % (32 * count) == 0 and reduction // (2 * count) >= FP8_MIN_PART
+           and 4 * 2 * count * rows * columns <= max(1e6, columns * reduction / 8)):
+        count *= 2
+    return count
+
+
+def plan(rows: int, columns: int, splits: int, part: int, processors: int, itemsize: int = 2) -> dict:
     """Block sizes for `rows` rows (at most 32), a weight of `columns`, `splits` slices of the reduction of `part`
     each, on a GPU of `processors` SMs: the whole slice in one step where it fits, and the widest column block that
     still gives every SM a program (the weight then streams through all of them). Blocks of at least 16, as
     tensor-core products need. Swept by scripts/tune_skinny_gemm.py on an H100: within 0.7 us of the best
-    configuration for the products it takes, and 0.8-2.0 us faster than the batched GEMM (docs/benchmarks.md)."""
+    configuration for the products it takes, and 0.8-2.0 us faster than the batched GEMM (docs/benchmarks.md).
+    FP8 weights (`itemsize` 1) take FP8_BLOCK_N and FP8_BLOCK_K, pipelined where the slice takes several steps."""
     block_m = max(16, 1 << (rows - 1).bit_length())
+    if itemsize == 1:
+        block_k = min(FP8_BLOCK_K, max(16, 1 << (part - 1).bit_length()))
+        steps = -(-part // block_k)
+        return {"BLOCK_M": block_m, "BLOCK_N": FP8_BLOCK_N, "BLOCK_K": block_k, "STEPS": steps,
+                "STAGES": FP8_STAGES if steps > 1 else 0, "num_warps": 4}
     block_k = min(2 * SLICE, max(16, 1 << (part - 1).bit_length()))
     block_n = 16
     while (block_n < 128 and 2 * block_n * block_k <= MAX_TILE
            and -(-columns // (2 * block_n)) * splits >= processors):
         block_n *= 2
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STEPS": -(-part // block_k),
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STEPS": -(-part // block_k), "STAGES": 0,
             "num_warps": 4 if block_n * block_k <= 16 * 512 else 8}
 
 
@@ -105,30 +145,33 @@ def _processors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, splits: int, config: dict, out: torch.Tensor) -> None:
-    """The kernel over x [rows, reduction] and weight [columns, reduction] into out [splits, rows, columns], with
-    `config` as plan() gives it, launched under PDL."""
+def launch(x: torch.Tensor, weight: torch.Tensor, splits: int, config: dict, out: torch.Tensor,
+           scale: torch.Tensor | None = None) -> None:
+    """The kernel over x [rows, reduction] and weight [columns, reduction] (bf16, fp16, or FP8 values with their
+    float32 `scale` [columns]) into out [splits, rows, columns], with `config` as plan() gives it, launched under
+    PDL."""
     import triton
 
     rows, reduction = x.shape
     columns = weight.shape[0]
     grid = (triton.cdiv(columns, config["BLOCK_N"]), splits)
-    _kernel()[grid](x, weight, out, rows, columns, reduction // splits, x.stride(0), weight.stride(0),
+    _kernel()[grid](x, weight, scale, out, rows, columns, reduction // splits, x.stride(0), weight.stride(0),
                     weight.stride(1), **config, launch_pdl=True)
 
 
 @torch.library.custom_op("specdec::split_products", mutates_args=())
-def split_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+def split_products(x: torch.Tensor, weight: torch.Tensor, splits: int, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, reduction] and weight [columns, reduction] (rows of x contiguous): the products of `splits` equal
-    slices of the reduction, float32 [splits, rows, columns], not yet summed."""
+    slices of the reduction, float32 [splits, rows, columns], not yet summed. An FP8 weight's slices' products are
+    each times its rows' `scale` (specdec.models.fp8)."""
     rows, reduction = x.shape
     columns = weight.shape[0]
     out = torch.empty(splits, rows, columns, device=x.device, dtype=torch.float32)
-    config = plan(rows, columns, splits, reduction // splits, _processors(x.device))
-    launch(x, weight, splits, config, out)
+    config = plan(rows, columns, splits, reduction // splits, _processors(x.device), weight.element_size())
+    launch(x, weight, splits, config, out, scale)
     return out
 
 
 @split_products.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, splits: int, scale: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(splits, x.shape[0], weight.shape[0], dtype=torch.float32)

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models import decode_attention, skinny_gemm
+from specdec.models import decode_attention, fp8, skinny_gemm, torch_fp8
+from specdec.models.fp8 import check_fp8_on_one_device
 from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tp_parts, rope_inv_freq,
                                    tp_split_axis, vocab_rows)
 from specdec.models.decode_plan import SPLIT_MAX_ROWS, reduction_splits
@@ -70,24 +71,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, cfg: GemmaConfig) -> 
     return normed.type_as(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T. For a decode forward's few rows on a GPU, cuBLAS runs one tile per 128 output columns, so a
-    weight of few columns (an o_proj, E4B's attention and per-layer projections, the 270M's layers) leaves most
-    SMs idle: 0.2-2.2 TB/s on an H200. Compiled, the reduction there is split in slices whose products the kernel
-    that reads them adds in float32 (docs/benchmarks.md, issue 11): on Hopper, for weights up to
-    skinny_gemm.MAX_WEIGHT_BYTES, by skinny_gemm's kernel, which loads the weight while the kernel before it
-    finishes; else as a batched GEMM over `reduction_splits` slices. Eagerly, those adds would be kernels of their
-    own, so it stays one GEMM."""
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T; with `scale`, weight holds FP8 values and `scale` their rows' scales (torch_fp8). For a decode
+    forward's few rows on a GPU, cuBLAS runs one tile per 128 output columns, so a weight of few columns (an o_proj,
+    E4B's attention and per-layer projections, the 270M's layers) leaves most SMs idle: 0.2-2.2 TB/s on an H200.
+    Compiled, the reduction there is split in slices whose products the kernel that reads them adds in float32
+    (docs/benchmarks.md, issue 11): on Hopper, for bf16 weights up to skinny_gemm.MAX_WEIGHT_BYTES and FP8 weights
+    of any size, by skinny_gemm's kernel, which loads the weight while the kernel before it finishes; else as a
+    batched GEMM over `reduction_splits` slices. Eagerly, those adds would be kernels of their own, so it stays one
+    GEMM."""
     if x.is_cuda and torch.compiler.is_compiling():
         rows, (columns, reduction) = x.numel() // x.shape[-1], weight.shape
         if rows <= SPLIT_MAX_ROWS and skinny_gemm.takes(weight):
-            splits = skinny_gemm.splits(reduction)
-            products = torch.ops.specdec.split_products(x.reshape(rows, reduction).contiguous(), weight, splits)
+            splits = skinny_gemm.splits(reduction) if scale is None else skinny_gemm.fp8_splits(rows, columns, reduction)
+            products = torch.ops.specdec.split_products(x.reshape(rows, reduction).contiguous(), weight, splits,
+                                                        scale)
             return sum_products(products, x)
         splits = reduction_splits(rows, columns, reduction)
-        if splits > 1:
+        if splits > 1 and scale is None:
             return sum_products(split_products(x, weight, splits), x)
-    return F.linear(x, weight)
+    return F.linear(x, weight) if scale is None else torch_fp8.product(x, weight, scale)
+
+
+def through(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    """x through an nn.Linear of the model, in FP8 where GemmaModel.quantize_fp8 made it so."""
+    return linear(x, module.weight, getattr(module, "weight_scale", None))
 
 
 def split_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
@@ -198,6 +206,7 @@ class Packed(nn.Module):
         self.row_parallel = row_parallel
         self.parts = parts
         self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("packed_scale", None, persistent=False)  # FP8 weights' (torch_fp8)
 
     def linears(self) -> list[nn.Linear]:
         return [getattr(self, n) for n in self.names if hasattr(self, n)]
@@ -206,6 +215,8 @@ class Packed(nn.Module):
         linears = self.linears()
         if self.parts is None:
             packed = torch.cat([lin.weight.detach() for lin in linears])
+            if hasattr(linears[0], "weight_scale"):
+                self.packed_scale = torch.cat([lin.weight_scale for lin in linears])
         else:
             packed = torch.stack([torch.cat([lin.weight.detach().chunk(self.parts)[part] for lin in linears])
                                   for part in range(self.parts)])
@@ -215,25 +226,32 @@ class Packed(nn.Module):
         for lin in linears:
             rows = lin.weight.shape[0] // (self.parts or 1)
             lin.weight = nn.Parameter(packed[..., start : start + rows, :], requires_grad=False)
+            if self.packed_scale is not None:
+                lin.weight_scale = self.packed_scale[start : start + rows]
             start += rows
         self.packed = packed
 
     def project(self, x: torch.Tensor, part: int = 0) -> list[torch.Tensor]:
         """x through every linear of `names` the module has, in that order (in `parts`: their rows of `part`)."""
         linears = self.linears()
-        if self.parts is None:
-            weight = self.packed if self.packed is not None else torch.cat([lin.weight for lin in linears])
+        scale = None
+        if self.parts is None and self.packed is not None:
+            weight, scale = self.packed, self.packed_scale
+        elif self.parts is None:
+            weight = torch.cat([lin.weight for lin in linears])
+            if hasattr(linears[0], "weight_scale"):
+                scale = torch.cat([lin.weight_scale for lin in linears])
         else:  # packed as GemmaModel's constructors leave it: each linear's weight [parts, rows of a part, in]
             weight = self.packed[part]
-        return list(linear(x, weight).split([lin.weight.shape[-2] for lin in linears], dim=-1))
+        return list(linear(x, weight, scale).split([lin.weight.shape[-2] for lin in linears], dim=-1))
 
     def combine(self, outputs, group) -> torch.Tensor:
         """The row-parallel linear's output: over `outputs` (one input per part, in `parts`; else the one input),
         summed across the tensor-parallel group."""
-        weight = getattr(self, self.row_parallel).weight
+        out = getattr(self, self.row_parallel)
         if self.parts is None:
-            return sum_across(linear(outputs, weight), group)
-        return sum_parts([linear(x, weight[part]) for part, x in enumerate(outputs)], group)  # packed: [parts, out, in]
+            return sum_across(through(outputs, out), group)
+        return sum_parts([linear(x, out.weight[part]) for part, x in enumerate(outputs)], group)  # [parts, out, in]
 
 
 class MLP(Packed):
@@ -519,8 +537,8 @@ class DecoderLayer(nn.Module):
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
         x = residual + self.post_feedforward_layernorm(h)
         if self.has_ple:
-            gated = gelu_gate(linear(x, self.per_layer_input_gate.weight), per_layer_input)
-            x = x + self.post_per_layer_input_norm(linear(gated, self.per_layer_projection.weight))
+            gated = gelu_gate(through(x, self.per_layer_input_gate), per_layer_input)
+            x = x + self.post_per_layer_input_norm(through(gated, self.per_layer_projection))
         if self.gemma4:
             x = x * self.layer_scalar
         return x
@@ -595,9 +613,10 @@ class GemmaModel(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path, dtype=torch.float32, device="cpu", max_seq_len: int = 4096,
-                        tp_group=None, tp_parts: int | None = None) -> "GemmaModel":
+                        tp_group=None, tp_parts: int | None = None, fp8: bool = False) -> "GemmaModel":
         """`tp_group`: load this device's share of a tensor-parallel model over the group (each device reads
-        only its slices of the split weights); `tp_parts`: as __init__'s."""
+        only its slices of the split weights); `tp_parts`: as __init__'s; `fp8`: the linears in FP8
+        (quantize_fp8)."""
         from specdec.models.checkpoint import load_checkpoint
 
         shard = group_shard(tp_group)
@@ -611,11 +630,12 @@ class GemmaModel(nn.Module):
         model.load_state_dict(tensors, strict=True, assign=True)
         model._build_rope_tables()  # non-persistent buffers are rebuilt off the meta device
         del tensors  # packing frees each separate weight only once nothing else holds it (else: twice the memory)
-        return model.to(device).eval().pack_projections()
+        model = model.to(device).eval()
+        return (model.quantize_fp8() if fp8 else model).pack_projections()
 
     @classmethod
     def random(cls, cfg: GemmaConfig, dtype=torch.bfloat16, device="cpu", max_seq_len: int = 4096,
-               seed: int = 0, tp_group=None, tp_parts: int | None = None) -> "GemmaModel":
+               seed: int = 0, tp_group=None, tp_parts: int | None = None, fp8: bool = False) -> "GemmaModel":
         """Random weights of a config, drawn on the device (benchmarks at real shapes; jax_gemma.random_params
         is the JAX twin): matrices ~ N(0, 1/fan_in), norms and scalars at their neutral value. Each matrix is
         drawn whole from its own seed, so the devices of a tensor-parallel model (`tp_group`: this device
@@ -641,7 +661,24 @@ class GemmaModel(nn.Module):
                 tensors[name].copy_(whole[shard_index(cfg, name, shape, shard)])
         model._build_rope_tables()
         del tensors, whole  # as in from_checkpoint: packing must be the weights' last holder
-        return model.to(device).eval().pack_projections()
+        model = model.to(device).eval()
+        return (model.quantize_fp8() if fp8 else model).pack_projections()
+
+    def quantize_fp8(self) -> "GemmaModel":
+        """Every linear that fp8.quantizes as FP8 values and a `weight_scale` per output row (torch_fp8), in place,
+        one weight at a time, before packing; a tied LM head gets an FP8 copy of its own as `lm_head`, so the token
+        table keeps its rows. One device only."""
+        check_fp8_on_one_device(self.tp_group is not None or self.tp_parts is not None)
+        if self.cfg.tie_word_embeddings:
+            table = self.embed_tokens.weight
+            self.lm_head = nn.Linear(table.shape[1], table.shape[0], bias=False, device="meta")
+            self.lm_head.weight = nn.Parameter(table.detach(), requires_grad=False)  # quantized below, as a copy
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and fp8.quantizes(f"{name}.weight", module.weight.shape):
+                values, scale = torch_fp8.quantize(module.weight.detach())
+                module.weight = nn.Parameter(values, requires_grad=False)
+                module.register_buffer("weight_scale", scale)
+        return self
 
     def pack_projections(self) -> "GemmaModel":
         """Pack each layer's q/k/v and gate/up weights (Packed), in place, once the weights are where they stay."""
@@ -653,6 +690,11 @@ class GemmaModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the linears are FP8 (quantize_fp8)."""
+        return hasattr(getattr(self, "lm_head", None), "weight_scale")
 
     def allocate_cache(self, batch: int, k_max: int = 8, max_seq_len: int | None = None, lookahead: int = 0) -> KVCache:
         n = max_seq_len or self.max_seq_len
@@ -689,7 +731,7 @@ class GemmaModel(nn.Module):
         table = lookup(self.embed_tokens_per_layer.weight, tokens, self._first_row("embed_tokens_per_layer.weight"),
                        self.tp_group)
         token_part = (table * self._scale(p**0.5)).view(B, T, cfg.num_layers, p)
-        context = self.per_layer_model_projection(embeds) * (cfg.hidden_size**-0.5)
+        context = through(embeds, self.per_layer_model_projection) * (cfg.hidden_size**-0.5)
         context = self.per_layer_projection_norm(context.view(B, T, cfg.num_layers, p))
         return (context + token_part) * (2.0**-0.5)
 
@@ -769,8 +811,11 @@ class GemmaModel(nn.Module):
             self._commit(ctx, cache)
         hidden = torch.stack(taps, dim=2) if hidden_layers else None
         x = self.norm(x[:, -1:] if last_only else x)
-        head = self.lm_head.weight if not cfg.tie_word_embeddings else self.embed_tokens.weight
-        if self.parts is None:
+        own_head = hasattr(self, "lm_head")  # untied, or a tied head's FP8 copy (quantize_fp8)
+        head = self.lm_head.weight if own_head else self.embed_tokens.weight
+        if own_head and hasattr(self.lm_head, "weight_scale"):
+            logits = through(x, self.lm_head)
+        elif self.parts is None:
             logits = F.linear(x, head)
         else:  # the vocabulary's parts as devices holding them alone compute them
             logits = torch.cat([F.linear(x, rows) for rows in head.chunk(self.parts)], dim=-1)

@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specdec.acceptance.jax_rule import RowSampling, accept_greedy, accept_sampled, keyed_uniform
 from specdec.errors import SpecdecError
+from specdec.models.fp8 import check_fp8_on_one_device
 from specdec.generate import CycleResult, StopCondition, check_context
 from specdec.models.config import (PARTS_GPU_XLA_FLAGS, GemmaConfig, check_tensor_parallel, check_tp_parts,
                                    decode_width, round_up, tp_split_axis)
@@ -76,11 +77,6 @@ def param_partition_spec(cfg: GemmaConfig, name: str, tp: int) -> P:
     split one are whole). In parts (`tp` the parts), a packed weight (jax_gemma.pack_projections) splits by row."""
     axis = 0 if "+" in name else tp_split_axis(cfg, name, tp)
     return P() if axis is None else P(*[None] * axis, TP_AXIS)
-
-
-def _check_fp8_on_one_device(fp8: bool, split: bool) -> None:
-    if fp8 and split:
-        raise SpecdecError("FP8 weights run on one device: drop tensor parallelism (or the FP8 weights)")
 
 
 def _packed(params: Params) -> Params:
@@ -261,7 +257,7 @@ class JaxEngine:
             self.parts = Parts(tp_parts, mesh.shape[TP_AXIS], TP_AXIS)
         self.mesh = mesh
         self.fp8 = is_fp8(params)
-        _check_fp8_on_one_device(self.fp8, split=mesh is not None)
+        check_fp8_on_one_device(self.fp8 and mesh is not None)
         if self.parts is not None and jax.default_backend() == "gpu" and (
                 not set(PARTS_GPU_XLA_FLAGS) <= set(os.environ.get("XLA_FLAGS", "").split())):
             raise SpecdecError(f"tensor-parallel parts on GPUs compute the same bits on every device count only with "
@@ -309,7 +305,7 @@ class JaxEngine:
         param_shapes and cache_shapes). The thread starts at `start_transfer` or at the first use of `params`
         or `cache`, which wait for it (and raise what it raised). `fp8`: the linears in FP8 (specdec.models.fp8)."""
         pack = kwargs.get("mesh") is None and kwargs.get("tp_parts") is None
-        _check_fp8_on_one_device(fp8, split=not pack)  # before the checkpoint is read
+        check_fp8_on_one_device(fp8 and not pack)  # before the checkpoint is read
         if not background:
             cfg, params = load_params(path, dtype, pack, fp8=fp8)
             return cls(cfg, params, **kwargs)

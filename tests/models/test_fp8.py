@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specdec.errors import SpecdecError
-from specdec.models import fp8, jax_decode_attention, jax_gemma
+from specdec.models import fp8, jax_decode_attention, jax_fp8, jax_gemma
 from specdec.models.random_init import write_random_checkpoint
 from specdec.verifiers.jax_engine import JaxEngine, make_mesh
 from tests.models.test_jax_decode_attention import plain_and_speculative
@@ -22,13 +22,13 @@ E4M3_STEP = 2.0**-3  # e4m3 keeps 3 mantissa bits: a normal value is within half
 def test_quantize_keeps_each_row_within_e4m3s_rounding():
     w = jax.random.normal(jax.random.key(0), (64, 48), jnp.float32) * jnp.logspace(-3, 1, 64)[:, None]
     w = w.at[5].set(0.0)
-    q = fp8.quantize(w)
+    q = jax_fp8.quantize(w)
     assert q.values.dtype == jnp.float8_e4m3fn and q.scale.shape == (64,)
     values = np.asarray(q.values.astype(jnp.float32))
     assert np.isfinite(values).all() and np.abs(values).max() <= fp8.E4M3_MAX
     assert np.allclose(np.abs(values).max(axis=1)[np.arange(64) != 5], fp8.E4M3_MAX)  # each row's peak at 448
     assert q.scale[5] == 1.0 and not values[5].any()  # a row of zeros
-    error = np.abs(np.asarray(fp8.dequantized(q)) - np.asarray(w))
+    error = np.abs(np.asarray(jax_fp8.dequantized(q)) - np.asarray(w))
     # half a step: of the value's own magnitude for normals, of 2**-9 (times the scale) below 2**-6 (subnormals)
     bound = np.maximum(np.abs(np.asarray(w)) * E4M3_STEP / 2, np.asarray(q.scale)[:, None] * 2.0**-10)
     assert (error <= bound * (1 + 1e-6)).all(), float((error / bound).max())
@@ -47,20 +47,20 @@ def test_what_is_stored_in_fp8():
 
 
 def test_the_product_is_the_dequantized_weights():
-    q = fp8.quantize(jax.random.normal(jax.random.key(1), (40, 24)))
+    q = jax_fp8.quantize(jax.random.normal(jax.random.key(1), (40, 24)))
     x = jax.random.normal(jax.random.key(2), (3, 5, 24))
     with jax.default_matmul_precision("highest"):
-        np.testing.assert_allclose(fp8.product(x, q), x @ fp8.dequantized(q).T, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(jax_gemma._linear(x, q), x @ fp8.dequantized(q).T, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(jax_fp8.product(x, q), x @ jax_fp8.dequantized(q).T, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(jax_gemma._linear(x, q), x @ jax_fp8.dequantized(q).T, rtol=1e-5, atol=1e-5)
         # the slices of a split reduction, each scaled, add up to the product
-        wide, rows = fp8.quantize(jax.random.normal(jax.random.key(3), (1024, 256))), jnp.ones((1, 8, 256))
+        wide, rows = jax_fp8.quantize(jax.random.normal(jax.random.key(3), (1024, 256))), jnp.ones((1, 8, 256))
         split = jax_gemma._split_product(rows, wide)
         assert split.shape[0] > 1
         np.testing.assert_allclose(split.sum(0), jax_gemma._linear(rows, wide), rtol=1e-5, atol=1e-4)
 
 
 def dequantized_params(params):
-    return {name: fp8.dequantized(w) if isinstance(w, fp8.Fp8Weight) else w for name, w in params.items()}
+    return {name: jax_fp8.dequantized(w) if isinstance(w, jax_fp8.Fp8Weight) else w for name, w in params.items()}
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_e", "gemma4_moe"])
@@ -71,9 +71,9 @@ def test_an_fp8_engine_computes_the_model_its_weights_stand_for(random_checkpoin
         engine = JaxEngine.from_checkpoint(random_checkpoints[variant], dtype=jnp.float32, fp8=True, max_seq_len=64,
                                            k_max=4)
         params = engine.params
-        assert engine.fp8 and isinstance(params["lm_head.weight"], fp8.Fp8Weight)
+        assert engine.fp8 and isinstance(params["lm_head.weight"], jax_fp8.Fp8Weight)
         assert params["embed_tokens.weight"].dtype == jnp.float32
-        assert any("+" in name and isinstance(w, fp8.Fp8Weight) for name, w in params.items())  # packed q/k/v
+        assert any("+" in name and isinstance(w, jax_fp8.Fp8Weight) for name, w in params.items())  # packed q/k/v
         tokens = jnp.asarray([[2, 17, 40, 9, 33, 5, 1, 60]], jnp.int32)
         positions = jnp.arange(8, dtype=jnp.int32)[None]
 

@@ -19,14 +19,14 @@ TOKENS = np.random.default_rng(2).integers(3, 500, 27).tolist()  # fed after the
 TAPS = (0, 2)
 
 
-def torch_engine(path, dtype, batch=1, invariant=True, device="cpu"):
+def torch_engine(path, dtype, batch=1, invariant=True, device="cpu", fp8=False):
     """On CUDA with its defaults: torch.compile and CUDA graphs."""
     import torch
 
     from specdec.models.torch_gemma import GemmaModel
     from specdec.verifiers.torch_engine import TorchEngine
 
-    model = GemmaModel.from_checkpoint(path, dtype=getattr(torch, dtype), device=device, max_seq_len=128)
+    model = GemmaModel.from_checkpoint(path, dtype=getattr(torch, dtype), device=device, max_seq_len=128, fp8=fp8)
     return TorchEngine(model, batch=batch, max_seq_len=128, k_max=K_MAX, hidden_layers=TAPS, invariant=invariant)
 
 

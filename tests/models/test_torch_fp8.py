@@ -1,0 +1,142 @@
+"""FP8 weights in the torch engine (specdec.models.torch_fp8): the JAX engine's quantized bits, what the model stores,
+the model its values and scales stand for, the error of what it does not take; on Hopper, skinny_gemm's FP8 products
+against float64 and the compiled engine's rows bitwise invariant, so greedy speculative output is the plain decode's."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from specdec.errors import SpecdecError
+from specdec.models import fp8, jax_fp8, skinny_gemm, torch_fp8
+from specdec.models.checkpoint import load_checkpoint
+from specdec.models.torch_gemma import GemmaModel
+
+hopper = pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton and Hopper")
+
+
+def test_quantize_holds_the_jax_engines_bits():
+    """One spec, two engines: the same values and scales, bit for bit, rows of zeros and of wide range included."""
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 80, generator=generator) * torch.logspace(-4, 2, 96)[:, None]
+    w[7] = 0.0
+    values, scale = torch_fp8.quantize(w)
+    reference = jax_fp8.quantize(jnp.asarray(w.numpy()))
+    assert values.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert np.array_equal(values.view(torch.uint8).numpy(), np.asarray(reference.values).view(np.uint8))
+    assert np.array_equal(scale.numpy(), np.asarray(reference.scale))
+
+
+def test_the_product_is_the_dequantized_weights():
+    generator = torch.Generator().manual_seed(1)
+    values, scale = torch_fp8.quantize(torch.randn(40, 24, generator=generator))
+    x = torch.randn(2, 3, 24, generator=generator)
+    out = torch_fp8.product(x, values, scale)
+    assert out.shape == (2, 3, 40) and out.dtype == torch.float32
+    torch.testing.assert_close(out, x @ torch_fp8.dequantized(values, scale).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "gemma4_e", "gemma4_moe"])
+def test_what_the_model_stores_in_fp8(random_checkpoints, variant):
+    model = GemmaModel.from_checkpoint(random_checkpoints[variant], fp8=True, max_seq_len=64)
+    assert model.fp8 and model.lm_head.weight.dtype == torch.float8_e4m3fn  # a tied head's own copy
+    assert model.embed_tokens.weight.dtype == torch.float32  # a lookup reads exact rows
+    attention = model.layers[0].self_attn
+    assert attention.packed.dtype == torch.float8_e4m3fn and attention.packed_scale.dtype == torch.float32
+    assert attention.q_proj.weight.data_ptr() == attention.packed.data_ptr()  # a view of the packed matrix
+    assert attention.o_proj.weight.dtype == torch.float8_e4m3fn
+    if variant == "gemma4_moe":
+        assert model.layers[0].experts.gate_up_proj.dtype == torch.float32
+        assert model.layers[0].router.proj.weight.dtype == torch.float32
+    quantized = {name for name, module in model.named_modules() if hasattr(module, "weight_scale")}
+    assert all(fp8.quantizes(f"{name}.weight", (1, 1)) for name in quantized)
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "gemma4_e", "gemma4_moe"])
+def test_an_fp8_model_computes_the_model_its_weights_stand_for(random_checkpoints, variant):
+    """A prefill and a decode forward over FP8 linears give the logits of the same forwards over their dequantized
+    float32 weights (a tied head's FP8 copy read as an untied head)."""
+    path = random_checkpoints[variant]
+    model = GemmaModel.from_checkpoint(path, fp8=True, max_seq_len=64)
+    cfg, tensors = load_checkpoint(path, framework="pt", dtype=torch.float32)
+    for name, weight in list(tensors.items()):
+        if fp8.quantizes(name, weight.shape):
+            tensors[name] = torch_fp8.dequantized(*torch_fp8.quantize(weight))
+    if cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = torch_fp8.dequantized(*torch_fp8.quantize(tensors["embed_tokens.weight"]))
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    with torch.device("meta"):
+        reference = GemmaModel(cfg, 64)
+    reference.load_state_dict(tensors, strict=True, assign=True)
+    reference._build_rope_tables()
+    reference = reference.eval().pack_projections()
+    tokens = torch.tensor([[2, 17, 40, 9, 33, 5, 1, 60]])
+    with torch.inference_mode():
+        for commit_first in (False, True):
+            logits = [m(tokens, torch.arange(8)[None], m.allocate_cache(1, k_max=8), commit_first=commit_first)[0]
+                      for m in (model, reference)]
+            torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_with_tensor_parallel_parts_is_refused(random_checkpoints):
+    with pytest.raises(SpecdecError, match="FP8 weights run on one device"):
+        GemmaModel.from_checkpoint(random_checkpoints["gemma3"], fp8=True, tp_parts=1, max_seq_len=64)
+
+
+def bf16(*shape, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
+
+
+SHAPES = {  # columns, reduction: one step a slice, unrolled steps, a pipelined loop (E4B's down, a 31B-like head)
+    "270m o_proj": (640, 1024), "270m gate/up": (4096, 640), "e4b per-layer proj": (2560, 256),
+    "e4b down": (2560, 10240), "head": (8192, 5376),
+}
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("rows", [1, 5, 16, 32])
+def test_each_fp8_slice_is_its_scaled_product(name, rows):
+    columns, reduction = SHAPES[name]
+    x = bf16(rows, reduction, seed=0)
+    values, scale = torch_fp8.quantize(bf16(columns, reduction, seed=1))
+    splits = skinny_gemm.fp8_splits(rows, columns, reduction)
+    products = torch.ops.specdec.split_products(x, values, splits, scale)
+    assert products.shape == (splits, rows, columns) and products.dtype == torch.float32
+    part = reduction // splits
+    for s in range(splits):  # bf16 x FP8 products are exact in float64; float32 accumulation and the scale round
+        cut = slice(s * part, (s + 1) * part)
+        exact = (x[:, cut].double() @ values[:, cut].double().T) * scale.double()
+        assert float((products[s].double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+
+
+@pytest.mark.gpu
+@hopper
+def test_a_rows_fp8_products_do_not_depend_on_the_other_rows():
+    columns, reduction = SHAPES["e4b down"]
+    values, scale = torch_fp8.quantize(bf16(columns, reduction, seed=3))
+    x = bf16(16, reduction, seed=2)
+    splits = skinny_gemm.fp8_splits(16, columns, reduction)
+    reference = torch.ops.specdec.split_products(x, values, splits, scale)
+    moved = bf16(16, reduction, seed=4)
+    moved[11] = x[3]
+    assert torch.equal(torch.ops.specdec.split_products(moved, values, splits, scale)[:, 11], reference[:, 3])
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("variant", ["gemma3", "gemma4_e", "gemma4_moe"])
+def test_on_a_gpu_fp8_rows_are_bitwise_invariant(random_checkpoints, variant):
+    """bf16 activations over FP8 linears through torch.compile (skinny_gemm's FP8 kernel) and CUDA graph replays: a
+    token's logits, taps and committed keys/values are the same at any row of any verify width as in plain decode."""
+    from tests.verifiers.test_row_invariance import WIDTHS, assert_same, feed, torch_engine
+
+    engine = torch_engine(random_checkpoints[variant], "bfloat16", device="cuda", fp8=True)
+    assert engine.use_graphs and engine.model.fp8
+    plain = feed(engine, 1)
+    for width in WIDTHS:
+        assert_same(plain, feed(engine, width, 2), f"cuda fp8/{variant} T={width}")
