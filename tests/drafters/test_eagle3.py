@@ -139,6 +139,21 @@ def test_greedy_eagle3_is_plain_decoding(model, head, random_checkpoints, framew
     assert gen.stats.drafted == K * gen.stats.cycles  # it drafted every cycle (the prompts have features)
 
 
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_greedy_eagle3_on_an_fp8_target_is_its_plain_decoding(head, random_checkpoints, framework):
+    """A head drafts from an FP8 target's taps and token table (both stay in the model's dtype): the fused cycle's
+    output is the FP8 target's plain decode."""
+    if framework == "torch":
+        model = GemmaModel.from_checkpoint(random_checkpoints[VARIANT], max_seq_len=64, fp8=True)
+        engine = torch_engine(model, head)
+    else:
+        engine = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, batch=2, max_seq_len=64,
+                                           k_max=K, hidden_layers=head.cfg.taps, fp8=True)
+    plain = run_cycles(HostCycle(engine, None, 0, SamplingParams()), PROMPTS, 0, StopCondition(24)).tokens
+    gen = run_cycles(cycles(engine, head, True), PROMPTS, K, StopCondition(24))
+    assert gen.tokens == plain and gen.stats.drafted == K * gen.stats.cycles
+
+
 def test_compiled_cycles_draft_as_eager_ones(model, head):
     """With the engine compiled (the default on CUDA; here on the CPU), a fused cycle compiles the head's step,
     n-gram lookup and greedy acceptance too: the same drafts as eager cycles, and plain decoding's output."""

@@ -140,3 +140,29 @@ def test_on_a_gpu_fp8_rows_are_bitwise_invariant(random_checkpoints, variant):
     plain = feed(engine, 1)
     for width in WIDTHS:
         assert_same(plain, feed(engine, width, 2), f"cuda fp8/{variant} T={width}")
+
+
+PRODUCTS = {  # columns, reduction: every product of the 270M, E4B and the 31B that tune_fp8_products.py swept
+    "270m qkv": (1536, 640), "270m o_proj": (640, 1024), "270m gate/up": (4096, 640), "270m down": (640, 2048),
+    "270m lm_head": (262144, 640), "e4b qkv": (3072, 2560), "e4b o_proj": (2560, 2048), "e4b gate": (256, 2560),
+    "e4b proj": (2560, 256), "e4b gate/up": (20480, 2560), "e4b down": (2560, 10240), "31b qkv": (16384, 5376),
+    "31b o_proj": (5376, 16384), "31b down": (5376, 21504), "31b gate/up": (43008, 5376), "31b lm_head": (262144, 5376),
+}
+
+
+@pytest.mark.parametrize("name", PRODUCTS)
+@pytest.mark.parametrize("rows", [8, 16])
+def test_fp8_slices_and_blocks(name, rows):
+    """Slices a multiple of 16 and at least FP8_MIN_PART deep, doubled only while the product had fewer than
+    FP8_PROGRAMS programs, their float32 partials within 1 MB or an eighth of the weight; steps that cover a slice,
+    pipelined where there are several."""
+    columns, reduction = PRODUCTS[name]
+    splits = skinny_gemm.fp8_splits(rows, columns, reduction)
+    part = reduction // splits
+    assert reduction % splits == 0 and part % 16 == 0 and splits <= skinny_gemm.MAX_SPLITS
+    assert splits == 1 or part >= skinny_gemm.FP8_MIN_PART
+    assert splits == 1 or -(-columns // skinny_gemm.FP8_BLOCK_N) * splits // 2 < skinny_gemm.FP8_PROGRAMS
+    assert splits == 1 or 4 * splits * rows * columns <= max(1e6, columns * reduction / 8)
+    config = skinny_gemm.plan(rows, columns, splits, part, processors=132, itemsize=1)
+    assert config["BLOCK_N"] == skinny_gemm.FP8_BLOCK_N and config["STEPS"] * config["BLOCK_K"] >= part
+    assert (config["STAGES"] > 0) == (config["STEPS"] > 1)
