@@ -25,7 +25,7 @@ MAX_SPLITS = 16  # slices at most (the kernels that read the products add them)
 MAX_TILE = 128 * 128  # weight elements a program holds
 # FP8 weights, of any size (fp8_splits, plan): 32 columns a program, stepping through its slice 128 deep in a loop
 # pipelined 4 deep. Swept by scripts/tune_fp8_products.py on an H200 over 20 products of the 270M, E4B and the 31B:
-# the fastest block for 17 of them (docs/benchmarks.md).
+# the fastest block for 18 of them (docs/benchmarks.md).
 FP8_BLOCK_N, FP8_BLOCK_K, FP8_STAGES = 32, 128, 4
 FP8_PROGRAMS = 1024  # programs an FP8 product aims for: about 8 a SM on an H100's or H200's 132
 FP8_MIN_PART = 128
