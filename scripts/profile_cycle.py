@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=True,
                         help="decode forwards at the engine's one width (--no-invariant: each at its own; what "
                              "invariance costs is the difference)")
+    parser.add_argument("--fp8", action="store_true", help="FP8 linears (specdec.models.fp8)")
     parser.add_argument("--out", type=Path, default=Path("profile-cycle.json"))
     args = parser.parse_args()
     dtype, device, context = torch.bfloat16, "cuda", args.context
@@ -111,9 +112,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("profile_cycle needs CUDA")
     if args.target:
-        model = GemmaModel.from_checkpoint(args.target, dtype=dtype, device=device, max_seq_len=context)
+        model = GemmaModel.from_checkpoint(args.target, dtype=dtype, device=device, max_seq_len=context, fp8=args.fp8)
     else:
-        model = GemmaModel.random(GemmaConfig.from_file(args.config), dtype, device, context)
+        model = GemmaModel.random(GemmaConfig.from_file(args.config), dtype, device, context, fp8=args.fp8)
     cfg = model.cfg
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20000, args.prompt_tokens)]
     plain_engine = TorchEngine(model, max_seq_len=context, k_max=args.k, invariant=args.invariant)
@@ -163,6 +164,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(dtype),
               "model": str(args.target or args.config), "weights": "checkpoint" if args.target else "random",
               "head": str(args.head or "random") if "eagle3" in args.methods else None, "invariant": args.invariant,
+              "fp8": args.fp8,
               "width": plain_engine.width if args.invariant else None,
               "prompt_tokens": len(prompt), "rows": rows}
     args.out.write_text(json.dumps(record, indent=1))
