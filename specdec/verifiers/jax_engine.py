@@ -44,11 +44,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specdec.acceptance.jax_rule import RowSampling, accept_greedy, accept_sampled, keyed_uniform
 from specdec.errors import SpecdecError
-from specdec.models.fp8 import check_fp8_on_one_device
 from specdec.generate import CycleResult, StopCondition, check_context
 from specdec.models.config import (PARTS_GPU_XLA_FLAGS, GemmaConfig, check_tensor_parallel, check_tp_parts,
                                    decode_width, round_up, tp_split_axis)
 from specdec.models.checkpoint import load_checkpoint
+from specdec.models.fp8 import check_fp8_on_one_device
 from specdec.models.jax_gemma import (Cache, Params, Parts, default_dtype, forward, init_cache, is_fp8, load_params,
                                       layer_prefix, pack_projections, pack_rows, reset_cache, to_device,
                                       to_device_shapes)
