@@ -25,22 +25,12 @@ from specdec.models.torch_gemma import linear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_split_reduction import SHAPES as BENCH_SHAPES  # noqa: E402
+from bench_split_reduction import weight_copies  # noqa: E402
 from tune_skinny_gemm import us_per_pair  # noqa: E402
 
 ROWS = 8  # the invariant width of k_max 1-7, generate's default
 SHAPES = BENCH_SHAPES | {"270m lm_head 640->262144": (262144, 640), "e4b lm_head 2560->262144": (262144, 2560),
                          "31b lm_head 5376->262144": (262144, 5376)}
-
-
-def copies(columns: int, reduction: int, total_bytes: int, dtype) -> list:
-    """Weights [columns, reduction] of `dtype` (FP8: (values, scale) pairs), at least two and `total_bytes` in all."""
-    count = max(2, -(-total_bytes // (columns * reduction * (1 if dtype == "fp8" else 2))))
-    out = []
-    for _ in range(count):
-        w = torch.randn(columns, reduction, device="cuda", dtype=torch.bfloat16) * 0.02
-        out.append(torch_fp8.quantize(w) if dtype == "fp8" else w)
-        del w
-    return out
 
 
 def configs(columns: int, reduction: int) -> list[tuple[int, dict]]:
@@ -85,12 +75,13 @@ def main() -> None:
         src = torch.randn(ROWS, reduction, device="cuda", dtype=torch.bfloat16)
         x = torch.empty_like(src)
         row = dict(shape=name, fp8_MB=round(columns * reduction / 1e6, 2))
-        weights = copies(columns, reduction, 200_000_000, "bf16")
+        weights = weight_copies(columns, reduction, 200_000_000)
         row["cublas_bf16_us"] = us_per_pair(torch.nn.functional.linear, weights, src, x)
         engine = torch.compile(linear, fullgraph=True, dynamic=False)
         row["engine_bf16_us"] = us_per_pair(engine, weights, src, x)
         del weights
-        weights = copies(columns, reduction, 200_000_000, "fp8")
+        # as many copies at a byte a weight: (values, scale) pairs of at least 200 MB
+        weights = [torch_fp8.quantize(w) for w in weight_copies(columns, reduction, 400_000_000)]
         splits = skinny_gemm.fp8_splits(ROWS, columns, reduction)
         config = skinny_gemm.plan(ROWS, columns, splits, reduction // splits, processors, itemsize=1)
         row["plan"] = dict(splits=splits, **config)

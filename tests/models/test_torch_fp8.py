@@ -13,6 +13,7 @@ from specdec.errors import SpecdecError
 from specdec.models import fp8, jax_fp8, skinny_gemm, torch_fp8
 from specdec.models.checkpoint import load_checkpoint
 from specdec.models.torch_gemma import GemmaModel
+from tests.models.test_skinny_gemm import bf16
 
 hopper = pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton and Hopper")
 
@@ -83,11 +84,6 @@ def test_an_fp8_model_computes_the_model_its_weights_stand_for(random_checkpoint
 def test_fp8_with_tensor_parallel_parts_is_refused(random_checkpoints):
     with pytest.raises(SpecdecError, match="FP8 weights run on one device"):
         GemmaModel.from_checkpoint(random_checkpoints["gemma3"], fp8=True, tp_parts=1, max_seq_len=64)
-
-
-def bf16(*shape, seed: int) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
 
 
 SHAPES = {  # columns, reduction: one step a slice, unrolled steps, a pipelined loop (E4B's down, a 31B-like head)
