@@ -46,7 +46,8 @@ def gpu_ms(replay, reps: int) -> float:
 
 
 def kernels(replay, reps: int) -> dict:
-    """The kernels of one replay, from the profiler over `reps` replays: count, busy ms, top names."""
+    """The kernels of one replay, from the profiler over `reps` replays: count, busy ms, top names, and their
+    sequence."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -64,7 +65,21 @@ def kernels(replay, reps: int) -> dict:
     busy = sum(t for _, t in by_name.values()) / reps
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
     return {"per_replay": count, "busy_ms": busy,
-            "top": [{"name": n[:120], "per_replay": c / reps, "ms": t / reps} for n, (c, t) in top]}
+            "top": [{"name": n[:120], "per_replay": c / reps, "ms": t / reps} for n, (c, t) in top],
+            "sequence": sequence(prof, reps)}
+
+
+def sequence(prof, reps: int) -> list[dict]:
+    """A replay's kernels in launch order, each one's us averaged over the replays: where kernels share a name (one
+    Triton kernel for every product), its place tells which product it ran."""
+    launched = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                      key=lambda e: e.time_range.start)
+    if not launched or len(launched) % reps:
+        return []
+    per_replay = len(launched) // reps
+    return [{"name": launched[i].name[:80],
+             "us": sum(launched[r * per_replay + i].device_time_total for r in range(reps)) / reps}
+            for i in range(per_replay)]
 
 
 def ops_by_shape(run, reps: int, top: int = 20) -> list[dict]:

@@ -112,6 +112,23 @@ def test_each_fp8_slice_is_its_scaled_product(name, rows):
 
 @pytest.mark.gpu
 @hopper
+def test_the_kernel_reads_every_fp8_value_exactly():
+    """The kernel places an FP8 byte's bits into a bf16 itself: each of e4m3's 254 numbers (subnormals, zeros and
+    both signs included), taken by one-hot rows at unit scales, comes out as itself. A slice within 1e-5 would
+    not tell a wrong subnormal."""
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)  # not the NaNs
+    weight = torch.zeros(len(codes), 256, dtype=torch.uint8)
+    weight[:, 5] = codes
+    weight = weight.view(torch.float8_e4m3fn).cuda()
+    x = torch.zeros(8, 256, dtype=torch.bfloat16, device="cuda")
+    x[2, 5] = 1
+    products = torch.ops.specdec.split_products(x, weight, 1, torch.ones(len(codes), device="cuda"))
+    assert torch.equal(products[0, 2], weight[:, 5].float())
+    assert not products[0, [0, 1, 3]].any()
+
+
+@pytest.mark.gpu
+@hopper
 def test_a_rows_fp8_products_do_not_depend_on_the_other_rows():
     columns, reduction = SHAPES["e4b down"]
     values, scale = torch_fp8.quantize(bf16(columns, reduction, seed=3))
