@@ -53,7 +53,7 @@ def _kernel():
         """A weight tile in the activations' dtype. FP8 e4m3 to bf16 by placing bits, 4 values a register: each
         byte's sign to bit 15 and its exponent and mantissa 4 bits down make a bf16 of the value times 2^-120
         (e4m3's subnormals become bf16's), which one bf16x2 multiply by 2^120 makes the value, exactly. Triton's
-        convert (to f16, then f32, then bf16) took 10-14% longer on the 31B's layer products
+        convert (to f16, then f32, then bf16) took 9-14% longer on the 31B's layer products
         (docs/benchmarks.md)."""
         if weight.dtype == tl.float8e4nv and dtype == tl.bfloat16:  # constants: one branch is compiled
             result = tl.inline_asm_elementwise(
