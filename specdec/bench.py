@@ -40,6 +40,7 @@ class BenchSettings:
     invariant: bool = True
     compile: bool = True  # torch.compile the torch engine's forward on CUDA (set-up: warm-up, not timed)
     eagle3: Path | None = None  # an EAGLE-3 head: its runs at each K beside n-gram's
+    fp8: bool = False  # our engines' linears in FP8 (specdec.models.fp8); the peer keeps the checkpoint's weights
 
     @property
     def drafters(self) -> tuple[str, ...]:
@@ -208,7 +209,7 @@ def run_bench(settings: BenchSettings) -> dict:
                 decode = _transformers_decoder(path, dtype)
             else:
                 decode = _our_decoder(path, engine, dtype, k_max, context, settings.invariant, settings.compile,
-                                      settings.eagle3)
+                                      settings.eagle3, settings.fp8)
             methods = engine_methods(engine, settings)
             for method in methods:
                 step(f"warm-up {method.name}")
@@ -243,16 +244,17 @@ def run_bench(settings: BenchSettings) -> dict:
 
 
 def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, invariant: bool, compile: bool,
-                 eagle3: Path | None = None):
+                 eagle3: Path | None = None, fp8: bool = False):
     """decode(text, ids, method, max_new_tokens) -> Run on one engine: plain (k = 0) and every drafter and K
     share it, so all decode forwards have one width (what makes greedy speculative output the plain
-    decode's). With an EAGLE-3 head every forward also returns the head's taps, plain decoding's too."""
+    decode's). With an EAGLE-3 head every forward also returns the head's taps, plain decoding's too. `fp8`: the
+    target's linears in FP8, its plain decode the reference of its speculative runs."""
     import specdec
     from specdec.api import drafter_taps
 
     spec = {"ngram": "ngram", "eagle3": f"eagle3={eagle3}"}
     target = specdec.load(path, engine=engine, dtype=dtype, k_max=k_max, max_seq_len=context, invariant=invariant,
-                          compile=compile, hidden_layers=drafter_taps(spec["eagle3"], path) if eagle3 else ())
+                          compile=compile, hidden_layers=drafter_taps(spec["eagle3"], path) if eagle3 else (), fp8=fp8)
 
     def decode(text: str, _ids: list[int], method: Method, max_new_tokens: int) -> Run:
         _, gen = specdec.generate(text, target, drafter=spec[method.drafter] if method.k else "none", k=method.k,
@@ -380,6 +382,13 @@ def require(module: str, purpose: str) -> None:
         raise SpecdecError(f"{purpose} needs {module} (pip install 'specdec[dev]')")
 
 
+def run_label(record: dict) -> str:
+    """The device, the dtype (and our FP8 weights) and the prompts of a run, for its table and plots."""
+    s = record["settings"]
+    weights = " · our linears in FP8" if s.get("fp8") else ""
+    return f"{record['device']} · {s['dtype']}{weights} · {len(record['prompts'])} prompts"
+
+
 def print_table(record: dict, console) -> None:
     """Methods x (tok/s, ratios, tau, acceptance per draft position, the output against plain decoding)."""
     from rich import box
@@ -388,8 +397,7 @@ def print_table(record: dict, console) -> None:
     s = record["settings"]
     table = Table(
         box=box.SIMPLE_HEAD, pad_edge=False,
-        title=f"{record['device']} · {s['dtype']} · {len(record['prompts'])} prompts · {s['max_new_tokens']} new "
-              f"tokens · commit {record['commit']}",
+        title=f"{run_label(record)} · {s['max_new_tokens']} new tokens · commit {record['commit']}",
         caption="x plain: over the engine's plain decode · x HF: over HF's plain generate · acceptance: per "
                 "draft position · output: token by token against the engine's plain decode",
     )
@@ -502,9 +510,7 @@ def _finish_plot(fig, ax, record: dict, path: Path) -> None:
     """The run's device, dtype, prompts and commit as the title; grid, legend; written as PNG."""
     import matplotlib.pyplot as plt
 
-    s = record["settings"]
-    ax.set_title(f"{record['device']} · {s['dtype']} · {len(record['prompts'])} prompts · commit {record['commit']}",
-                 fontsize=9)
+    ax.set_title(f"{run_label(record)} · commit {record['commit']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

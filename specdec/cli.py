@@ -319,6 +319,7 @@ def bench(
     eagle3: Optional[Path] = typer.Option(None, help="an EAGLE-3 head directory: also run it at each K"),
     invariant: bool = typer.Option(True, help="row-invariant forwards: speculative output identical to plain decoding"),
     compile: bool = typer.Option(True, help="torch.compile the torch engine's forward on CUDA (during the warm-up, not timed)"),
+    fp8: bool = typer.Option(False, help="our engines' linears in FP8, a scale per output row (one device); transformers keeps the checkpoint's weights"),
     out: Path = typer.Option(Path("specdec-bench.json"), help="JSON results to write"),
     plot: Optional[Path] = typer.Option(None, help="PNG of tok/s against K [default: --out with .png]"),
 ):
@@ -332,7 +333,7 @@ def bench(
     settings = benchmark.BenchSettings(
         target=target, engines=tuple(benchmark.parse_list(engines, "--engines")), ks=benchmark.parse_ks(k),
         k_max=k_max, max_new_tokens=max_new_tokens, prompts_file=prompts, dataset=dataset, field=field,
-        num_prompts=num_prompts, peer=peer, invariant=invariant, compile=compile, eagle3=eagle3,
+        num_prompts=num_prompts, peer=peer, invariant=invariant, compile=compile, eagle3=eagle3, fp8=fp8,
     )
     benchmark.require("matplotlib", "the plot")
     if not invariant:

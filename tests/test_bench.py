@@ -65,6 +65,29 @@ def test_both_engines_and_the_peer(ckpt, prompts_file, tmp_path):
     assert "torch n-gram K=2" in stdout and "HF prompt lookup K=2" in stdout and "identical" in stdout
 
 
+def test_fp8_weights_in_our_engines(ckpt, prompts_file, tmp_path, monkeypatch):
+    """--fp8 loads each engine's target with FP8 linears, and its speculative runs are judged against its own plain
+    decode."""
+    loads = []
+    real_load = specdec.load
+
+    def load(*args, **kwargs):
+        loads.append(kwargs)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(specdec, "load", load)
+    out = tmp_path / "bench.json"
+    code, stdout, stderr = run("--target", ckpt, "--prompts", prompts_file, "--k", "2", "--max-new-tokens", "12",
+                               "--no-peer", "--fp8", "--out", out)
+    assert code == 0, stderr
+    assert [(kw["engine"], kw["fp8"]) for kw in loads] == [("torch", True), ("jax", True)]
+    record = json.loads(out.read_text())
+    assert record["settings"]["fp8"] is True and record["identical"] is True
+    assert {m["method"]: m["identical"] for m in record["methods"]} == {
+        "torch plain": None, "torch n-gram K=2": True, "jax plain": None, "jax n-gram K=2": True}
+    assert "our linears in FP8" in stdout
+
+
 @pytest.fixture
 def fake_engine(monkeypatch):
     """specdec.load/generate stand-ins (no model): the speculative output differs from plain at token 2."""
