@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.drafters.eagle3 import Eagle3Config
+from specdec.models.torch_gemma import dense_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,7 +21,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fuse(params: dict, taps: torch.Tensor) -> torch.Tensor:
     """The target's hidden states [..., 3, H] at the aux layers -> the head's feature [..., H]."""
-    return F.linear(taps.flatten(-2).to(params["fc.weight"].dtype), params["fc.weight"])
+    return dense_linear(taps.flatten(-2).to(params["fc.weight"].dtype), params["fc.weight"])
 
 
 def rope_inv_freq(cfg: Eagle3Config, device) -> torch.Tensor:
@@ -46,9 +47,9 @@ def step(params: dict, cfg: Eagle3Config, inv_freq: torch.Tensor, embeds: torch.
                    rms_norm(hidden, params[p + "hidden_norm.weight"], eps)], dim=-1)
     B, T = x.shape[:2]
     group = cfg.num_heads // cfg.num_kv_heads
-    q = F.linear(x, params[p + "self_attn.q_proj.weight"]).view(B, T, cfg.num_kv_heads, group, cfg.head_dim)
-    k = F.linear(x, params[p + "self_attn.k_proj.weight"]).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-    v = F.linear(x, params[p + "self_attn.v_proj.weight"]).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q = dense_linear(x, params[p + "self_attn.q_proj.weight"]).view(B, T, cfg.num_kv_heads, group, cfg.head_dim)
+    k = dense_linear(x, params[p + "self_attn.k_proj.weight"]).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = dense_linear(x, params[p + "self_attn.v_proj.weight"]).view(B, T, cfg.num_kv_heads, cfg.head_dim)
     q = _rope(q.flatten(2, 3), positions, inv_freq).view_as(q) * (cfg.head_dim**-0.5)
     k = _rope(k, positions, inv_freq)
     slots = positions.clamp(max=cache_k.shape[1] - 1)  # past the cache: junk rows only (never read)
@@ -60,11 +61,12 @@ def step(params: dict, cfg: Eagle3Config, inv_freq: torch.Tensor, embeds: torch.
     scores = scores.masked_fill(~visible[:, None, None], -torch.inf)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     attn = torch.einsum("bkgts,bskd->btkgd", probs, cache_v).reshape(B, T, -1)
-    h = F.linear(attn, params[p + "self_attn.o_proj.weight"]) + hidden
+    h = dense_linear(attn, params[p + "self_attn.o_proj.weight"]) + hidden
     x = rms_norm(h, params[p + "post_attention_layernorm.weight"], eps)
-    mlp = F.silu(F.linear(x, params[p + "mlp.gate_proj.weight"])) * F.linear(x, params[p + "mlp.up_proj.weight"])
-    out = F.linear(mlp, params[p + "mlp.down_proj.weight"]) + h
-    logits = F.linear(rms_norm(out, params["norm.weight"], eps), params["lm_head.weight"]).float()
+    gate, up = (dense_linear(x, params[p + f"mlp.{name}_proj.weight"]) for name in ("gate", "up"))
+    mlp = F.silu(gate) * up
+    out = dense_linear(mlp, params[p + "mlp.down_proj.weight"]) + h
+    logits = dense_linear(rms_norm(out, params["norm.weight"], eps), params["lm_head.weight"]).float()
     return out, logits
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from specdec.drafters.mtp import AssistantConfig, mtp_taps, target_kv_layers
 from specdec.errors import SpecdecError
 from specdec.models.config import SLIDING, tp_split_axis, vocab_rows
-from specdec.models.torch_gemma import KVCache, apply_rope, gelu_mlp, rms_norm, rope_tables, sum_across
+from specdec.models.torch_gemma import (KVCache, apply_rope, dense_linear, gelu_mlp, rms_norm, rope_tables,
+                                       sum_across)
 
 MASKED = torch.finfo(torch.float32).min  # not -inf: a row with nothing to attend to (no hidden yet) stays finite
 
@@ -48,14 +48,14 @@ def _attention(params: dict, cfg: AssistantConfig, index: int, x, cos, sin, keys
     p = f"layers.{index}.self_attn."
     B, hd, nkv = x.shape[0], spec.head_dim, keys.shape[1]
     heads = params[p + "q_proj.weight"].shape[0] // hd  # this device's, beside a tensor-parallel target
-    q = F.linear(x, params[p + "q_proj.weight"]).view(B, heads, hd)
+    q = dense_linear(x, params[p + "q_proj.weight"]).view(B, heads, hd)
     q = apply_rope(rms_norm(q, params[p + "q_norm.weight"], text), cos[:, None], sin[:, None])
     q = q.view(B, nkv, heads // nkv, hd)  # query head h uses KV head h // groups
     scores = torch.einsum("bkgd,bksd->bkgs", q, keys).float()  # Gemma 4 attention scale: 1
     scores = scores.masked_fill(~mask[:, None, None], MASKED)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.einsum("bkgs,bksd->bkgd", probs, values).reshape(B, heads * hd)
-    return sum_across(F.linear(out, params[p + "o_proj.weight"]), tp_group)
+    return sum_across(dense_linear(out, params[p + "o_proj.weight"]), tp_group)
 
 
 def _layer(params: dict, cfg: AssistantConfig, index: int, x, cos, sin, keys, values, mask, tp_group=None):
@@ -75,8 +75,8 @@ def head_logits(params: dict, cfg: AssistantConfig, normed: torch.Tensor) -> tor
     not depend on the other rows (the same at batch 1)."""
     head = params[cfg.head_name]
     if not cfg.use_ordered_embeddings:
-        return F.linear(normed, head).float()
-    top = torch.topk(F.linear(normed, params["masked_embedding.centroids.weight"]), cfg.centroid_intermediate_top_k,
+        return dense_linear(normed, head).float()
+    top = torch.topk(dense_linear(normed, params["masked_embedding.centroids.weight"]), cfg.centroid_intermediate_top_k,
                      dim=-1).indices
     tokens = params["token_ordering"][top].flatten(1)  # [B, top_k * V / C]
     selected = torch.einsum("bh,bnh->bn", normed, head[tokens]).float()
@@ -89,11 +89,11 @@ def step(params: dict, cfg: AssistantConfig, embeds, hidden, rope: dict, kv: dic
     RoPE rows per kind (cos, sin [B, hd]), the target's (keys, values, mask) per kind; `tp_group`: the
     tensor-parallel target's, `params` then this device's slices (module docstring). -> (float32 logits [B, V],
     the next step's h [B, H_target])."""
-    x = F.linear(torch.cat([embeds, hidden], dim=-1), params["pre_projection.weight"])
+    x = dense_linear(torch.cat([embeds, hidden], dim=-1), params["pre_projection.weight"])
     for spec in cfg.text.layers:
         x = _layer(params, cfg, spec.index, x, *rope[spec.kind], *kv[spec.kind], tp_group)
     normed = rms_norm(x, params["norm.weight"], cfg.text)
-    return head_logits(params, cfg, normed), F.linear(normed, params["post_projection.weight"])
+    return head_logits(params, cfg, normed), dense_linear(normed, params["post_projection.weight"])
 
 
 class TorchMtp:

@@ -71,6 +71,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, cfg: GemmaConfig) -> 
     return normed.type_as(x)
 
 
+# oneDNN's inner product, which inductor runs for linears on the CPU; torch builds without it keep F.linear
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T. On the CPU in float32, by oneDNN: MKL's GEMM behind F.linear took 2.7x as long for the real
+    270M's LM head at a decode forward's 8 rows on 2 cores (docs/benchmarks.md). Autograd and torch.compile keep
+    F.linear (inductor lowers oneDNN's op only for frozen weights)."""
+    if (ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T; with `scale`, weight holds FP8 values and `scale` their rows' scales (torch_fp8). For a decode
     forward's few rows on a GPU, cuBLAS runs one tile per 128 output columns, so a weight of few columns (an o_proj,
@@ -90,7 +105,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
         splits = reduction_splits(rows, columns, reduction)
         if splits > 1 and scale is None:
             return sum_products(split_products(x, weight, splits), x)
-    return F.linear(x, weight) if scale is None else torch_fp8.product(x, weight, scale)
+    return dense_linear(x, weight) if scale is None else torch_fp8.product(x, weight, scale)
 
 
 def through(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
@@ -122,7 +137,7 @@ def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def gelu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Gemma's gated MLP: down(gelu_tanh(gate(x)) * up(x)), weights in [out, in] layout."""
-    return F.linear(gelu_gate(F.linear(x, gate), F.linear(x, up)), down)
+    return dense_linear(gelu_gate(dense_linear(x, gate), dense_linear(x, up)), down)
 
 
 class RMSNorm(nn.Module):
@@ -492,8 +507,8 @@ class Experts(nn.Module):
             dense_weights = torch.zeros(n, held, dtype=weights.dtype, device=x.device).scatter_add(1, index, weights)
             out = torch.zeros_like(x)
             for e in range(held):
-                gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-                y = F.linear(gelu_gate(gate, up), self.down_proj[e])
+                gate, up = dense_linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = dense_linear(gelu_gate(gate, up), self.down_proj[e])
                 out = out + y * dense_weights[:, e : e + 1].to(y.dtype)
         return out if self.first_expert is None else sum_across(out, self.tp_group)
 
@@ -816,9 +831,9 @@ class GemmaModel(nn.Module):
         if own_head and hasattr(self.lm_head, "weight_scale"):
             logits = through(x, self.lm_head)
         elif self.parts is None:
-            logits = F.linear(x, head)
+            logits = dense_linear(x, head)
         else:  # the vocabulary's parts as devices holding them alone compute them
-            logits = torch.cat([F.linear(x, rows) for rows in head.chunk(self.parts)], dim=-1)
+            logits = torch.cat([dense_linear(x, rows) for rows in head.chunk(self.parts)], dim=-1)
         if self.vocab_share["embed_tokens.weight"] is not None:  # this device's share of the vocabulary
             logits = gather_across(logits, self.tp_group)
         logits = logits.float()
