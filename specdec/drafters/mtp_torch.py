@@ -76,8 +76,8 @@ def head_logits(params: dict, cfg: AssistantConfig, normed: torch.Tensor) -> tor
     head = params[cfg.head_name]
     if not cfg.use_ordered_embeddings:
         return dense_linear(normed, head).float()
-    top = torch.topk(dense_linear(normed, params["masked_embedding.centroids.weight"]), cfg.centroid_intermediate_top_k,
-                     dim=-1).indices
+    centroids = dense_linear(normed, params["masked_embedding.centroids.weight"])
+    top = torch.topk(centroids, cfg.centroid_intermediate_top_k, dim=-1).indices
     tokens = params["token_ordering"][top].flatten(1)  # [B, top_k * V / C]
     selected = torch.einsum("bh,bnh->bn", normed, head[tokens]).float()
     fill = selected.amin(dim=-1, keepdim=True) - 1.0
