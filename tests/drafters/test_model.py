@@ -229,3 +229,22 @@ def test_cuda_graph_model_drafter_cycle_matches_eager(random_checkpoints, dtype,
             plain = run_cycles(HostCycle(engine, None, 0, sampling), PROMPTS, 0, StopCondition(TOKENS)).tokens
             assert runs[graphs][1] == plain
     assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
+def test_compiled_fp8_target_with_a_model_drafter_emits_its_plain_decode(random_checkpoints):
+    """The engine as `generate` runs it on a GPU (bf16, torch.compile, CUDA graphs), its linears in FP8 through
+    skinny_gemm's kernel (Hopper) or the converted GEMM: the drafter's fused cycle emits the target's plain decode
+    at each k."""
+    import torch
+
+    model = GemmaModel.from_checkpoint(random_checkpoints["gemma4_dense"], dtype=torch.bfloat16, device="cuda",
+                                       max_seq_len=CONTEXT, fp8=True)
+    target = TorchEngine(model, batch=2, max_seq_len=CONTEXT, k_max=4, compile=True, cuda_graphs=True)
+    plain = run_cycles(FusedCycle(target, None, 0), PROMPTS, 0, StopCondition(TOKENS)).tokens
+    source = drafter_engine(load_source(random_checkpoints["gemma4_e"], target), target)
+    for k in (1, 4):
+        gen = run_cycles(FusedCycle(target, ModelDrafter(source, target, k).device_draft_fn("torch", k), k), PROMPTS,
+                         k, StopCondition(TOKENS))
+        assert gen.tokens == plain, k
+        assert gen.stats.drafted == gen.stats.cycles * k
