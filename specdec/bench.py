@@ -175,7 +175,9 @@ def run_bench(settings: BenchSettings) -> dict:
     aggregate results). Its "identical" is False when a speculative run of ours differs from plain decoding."""
     import torch
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    from specdec.progress import LoggedProgress
 
     from specdec.api import resolve_checkpoint
     from specdec.evidence import git_commit, now_utc
@@ -197,8 +199,8 @@ def run_bench(settings: BenchSettings) -> dict:
     runs: dict[Method, list[Run]] = {}
     # JAX runs last: on a GPU it reserves most of the memory for itself.
     order = sorted(engines, key=lambda e: e == "jax")
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
+    with LoggedProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("loading", total=sum(len(engine_methods(e, settings)) for e in engines) * (1 + len(texts)))
         for engine in order:
             def step(message: str, engine=engine) -> None:

@@ -152,12 +152,13 @@ def validate(
     a JSON evidence file. Exit 1 on any failure."""
     import json
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from specdec import gates
     from specdec.api import DRAFTER_DIRS, DrafterSource, resolve_checkpoint
     from specdec.evidence import git_commit, now_utc
     from specdec.models.tokenizer import Tokenizer
+    from specdec.progress import LoggedProgress
 
     if k_max < 1:
         raise SpecdecError(f"--k-max must be >= 1, got {k_max}")
@@ -182,8 +183,8 @@ def validate(
         batch_engines.append(batch_engine)
     steps = sum(2 + (self_draft and e.name.startswith("torch")) for e in eut) * len(texts) + len(engines) * (1 + stateful)
     results: list[tuple[int | None, gates.GateResult]] = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
+    with LoggedProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=err, transient=True) as bar:
         task = bar.add_task("gates", total=steps)
 
         def step(message: str) -> None:

@@ -205,8 +205,9 @@ def _generate(target, prompts: list[Prompt], settings: DistillSettings, capture,
     results are dropped) and write each row; -> (counts, generation stats)."""
     from datasets.arrow_writer import ArrowWriter
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from specdec.progress import LoggedProgress
 
     B = settings.batch
     sampling = SamplingParams(temperature=settings.temperature, seed=settings.seed)
@@ -216,8 +217,8 @@ def _generate(target, prompts: list[Prompt], settings: DistillSettings, capture,
               "saturated_features": 0}
     emitted = cycles = 0
     start = time.perf_counter()
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TimeRemainingColumn(), console=console or Console(stderr=True))
+    progress = LoggedProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                              TimeRemainingColumn(), console=console or Console(stderr=True))
     # Rows with features are large (T x 4 x H halves): write them out a batch at a time.
     writer = ArrowWriter(features=dataset_features(capture, settings.feature_dtype), path=str(arrow_path),
                          writer_batch_size=B if capture else None)

@@ -246,9 +246,11 @@ def _console():
 
 
 def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    return Progress(
+    from specdec.progress import LoggedProgress
+
+    return LoggedProgress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=_console(), disable=not enabled,
     )

@@ -336,11 +336,13 @@ class Monitor:
                 path.write_text("".join(line + "\n" for line in kept))
         if progress:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("eagle3"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
-                                console=console or Console(stderr=True))
+            from specdec.progress import LoggedProgress
+
+            self.bar = LoggedProgress(TextColumn("eagle3"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                      TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
+                                      console=console or Console(stderr=True))
             self.bar.start()
             self.task = self.bar.add_task("train", total=total, completed=start, stats="compiling")
         if cfg.wandb_project:
