@@ -99,7 +99,7 @@ def load(
     (config.check_tp_parts), so that 1, 2, ... devices decode the same tokens; without it, a bf16 model on
     2 devices does not decode what it decodes on 1.
 
-    `fp8` (one device, either engine): the linears as FP8 values with a float32 scale per output row
+    `fp8` (either engine, tensor-parallel too): the linears as FP8 values with a float32 scale per output row
     (specdec.models.fp8), read at one byte a weight; the gates hold for the FP8 model as for the bf16 one.
 
     `tokenizer_in_child`, for one-off generations: the tokenizer is parsed in a child process while this one
@@ -130,10 +130,6 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
 
     if tensor_parallel < 1:
         raise SpecdecError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
-    if fp8:
-        from specdec.models.fp8 import check_fp8_on_one_device
-
-        check_fp8_on_one_device(tensor_parallel > 1 or tp_parts is not None)
     if engine == "torch":
         import torch
 

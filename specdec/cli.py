@@ -78,7 +78,7 @@ def generate(
     compile: Optional[bool] = typer.Option(None, help="torch.compile the forward (CUDA): ~2.5x faster decoding after 10-45 s of compiling [default: from 2048 new tokens on]"),
     tensor_parallel: int = typer.Option(1, help="split the model over N devices (torch: launch with torchrun --nproc-per-node N; JAX: this process's first N devices)"),
     tp_parts: Optional[int] = typer.Option(None, help="compute each split weight in P parts on any device count dividing P, so 1..P devices decode identical tokens (costs launches)"),
-    fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight (one device)"),
+    fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight"),
 ):
     """Generate text, streaming it, then print set-up and decoding times, tau, acceptance and tok/s."""
     import specdec
@@ -146,7 +146,7 @@ def validate(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (torch engine)"),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
     evidence: Path = typer.Option(Path("specdec-validate.json"), help="JSON evidence file to write"),
-    fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight (one device)"),
+    fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight"),
 ):
     """Run the lossless gates on one prompt or a file of them; print a table per prompt and a summary, write
     a JSON evidence file. Exit 1 on any failure."""
@@ -320,7 +320,7 @@ def bench(
     eagle3: Optional[Path] = typer.Option(None, help="an EAGLE-3 head directory: also run it at each K"),
     invariant: bool = typer.Option(True, help="row-invariant forwards: speculative output identical to plain decoding"),
     compile: bool = typer.Option(True, help="torch.compile the torch engine's forward on CUDA (during the warm-up, not timed)"),
-    fp8: bool = typer.Option(False, help="our engines' linears in FP8, a scale per output row (one device); transformers keeps the checkpoint's weights"),
+    fp8: bool = typer.Option(False, help="our engines' linears in FP8, a scale per output row; transformers keeps the checkpoint's weights"),
     out: Path = typer.Option(Path("specdec-bench.json"), help="JSON results to write"),
     plot: Optional[Path] = typer.Option(None, help="PNG of tok/s against K [default: --out with .png]"),
 ):
@@ -382,7 +382,7 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, help="the model name requests use [default: the checkpoint directory's name]"),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
     compile: bool = typer.Option(True, help="torch.compile the forward (torch on CUDA)"),
-    fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight (one device)"),
+    fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight"),
 ):
     """Serve the OpenAI API (completions and chat, streamed or whole) from one warm engine, batching
     concurrent requests continuously; /metrics for Prometheus, /health."""

@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k-max", type=int, default=DEFAULT_DRAFTS, help="the engines' largest K, which sets their "
                         "decode width (k_max + 1 rounded up to 8 rows) [default: specdec generate's --k]")
     parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke test)")
-    parser.add_argument("--fp8", action="store_true", help="FP8 linears (specdec.models.fp8; one device), their rows "
+    parser.add_argument("--fp8", action="store_true", help="FP8 linears (specdec.models.fp8), their rows "
                         "labelled ENGINE-fp8 and their roofline at FP8's bytes")
     parser.add_argument("--replot", type=Path, nargs="+", help="print and draw results files (merged) and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -544,8 +544,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.context < needed:
         parser.error(f"--context {args.context} is too short for a {PROMPT_TOKENS}-token prompt and {MOST_WARM_UP} + "
                      f"{max(args.steps, args.tokens)} decode steps: at least {needed}")
-    if args.fp8 and not args.child and (args.tensor_parallel != "1" or args.tp_parts):
-        parser.error("--fp8 runs on one device: no tensor parallelism")
     if args.layers and "e4b" in models:
         parser.error("--layers does not cut e4b, whose last layers share the caches of earlier ones")
     if args.child:

@@ -100,7 +100,6 @@ def test_prompt_longer_than_the_context(ckpt):
         (["-k", "-2"], "-k"),
         (["--engine", "tpu"], "unknown engine 'tpu'"),
         (["--drafter", "eagle9"], "unknown drafter 'eagle9'"),
-        (["--fp8", "--tp-parts", "2"], "FP8 weights run on one device"),
     ],
 )
 def test_bad_flags(ckpt, flags, needle):

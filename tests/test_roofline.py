@@ -79,9 +79,16 @@ def test_fp8_steps_read_a_byte_a_linear_weight_and_a_scale_a_row():
     assert bf16["kv_cache"] == fp8["kv_cache"]
 
 
-def test_fp8_runs_on_one_device():
-    done = roofline("--tiny", "--fp8", "--engines", "torch,jax", "--models", "270m", "--tensor-parallel", "1,2")
-    assert done.returncode != 0 and "--fp8 runs on one device" in done.stderr
+def test_fp8_rows_in_parts_compute_one_devices_bits_on_two(tmp_path):
+    """--fp8 with tensor parallelism: both engines' FP8 rows in parts, one and two devices, the same logits."""
+    out = tmp_path / "roofline.json"
+    done = roofline("--tiny", "--fp8", "--models", "31b", "--engines", "torch,jax", "--tensor-parallel", "1,2",
+                    "--tp-parts", "2", "--layers", "3", "--steps", "2", "--tokens", "4", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(r["engine"], r["tensor_parallel"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("torch-fp8", 1), ("torch-fp8", 2), ("jax-fp8", 1), ("jax-fp8", 2)}
+    for engine in ("torch-fp8", "jax-fp8"):
+        assert rows[(engine, 1)]["logits_digest"] == rows[(engine, 2)]["logits_digest"]
 
 
 def test_a_failed_measurement_fails_the_run():

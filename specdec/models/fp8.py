@@ -16,8 +16,6 @@ The engine's gates compare an FP8 engine with itself (speculative against plain 
 FP8 changes the model, not whether a run of it is lossless.
 """
 
-from specdec.errors import SpecdecError
-
 E4M3_MAX = 448.0
 
 
@@ -26,9 +24,3 @@ def quantizes(name: str, shape: tuple[int, ...]) -> bool:
     linear = name.endswith(("_proj.weight", "per_layer_input_gate.weight", "per_layer_projection.weight",
                             "per_layer_model_projection.weight", "lm_head.weight"))
     return linear and len(shape) == 2
-
-
-def check_fp8_on_one_device(split: bool) -> None:
-    """FP8 weights run on one device: refuse them where the model is `split` (tensor parallelism or its parts)."""
-    if split:
-        raise SpecdecError("FP8 weights run on one device: drop tensor parallelism (or the FP8 weights)")

@@ -217,6 +217,20 @@ def _linear(x, weight):
     return x @ weight.T
 
 
+def _rows(weight, start: int, stop: int):
+    """weight[start:stop]: output rows, an FP8 weight's with their scales."""
+    if isinstance(weight, Fp8Weight):
+        return Fp8Weight(weight.values[start:stop], weight.scale[start:stop])
+    return weight[start:stop]
+
+
+def _columns(weight, start: int, stop: int):
+    """weight[:, start:stop]: a slice of the reduction; an FP8 weight keeps its rows' scales, the whole rows'."""
+    if isinstance(weight, Fp8Weight):
+        return Fp8Weight(weight.values[:, start:stop], weight.scale)
+    return weight[:, start:stop]
+
+
 def _split_product(x, weight, multiple: int = 64):
     """x [B, T, K] by weight [N, K] as the products of its reduction's slices, [splits, B, T, N]: split as torch's
     are (reduction_splits, slices of a multiple of `multiple`), in float32, for a kernel that adds them in order and
@@ -337,7 +351,7 @@ def _project(params: Params, prefix: str, names, x, sizes=None, parts: Parts | N
     if parts is not None:
         block = params[packed_name(prefix, names) if len(names) > 1 else f"{prefix}{names[0]}.weight"]
         rows = block.shape[0] // parts.local
-        packed = block[part * rows : (part + 1) * rows]
+        packed = _rows(block, part * rows, (part + 1) * rows)
         sizes = None if sizes is None else [size // parts.count for size in sizes]
         x = _own_input(x, part)
     else:
@@ -362,7 +376,8 @@ def _row_parallel(params: Params, name: str, inputs: list, parts: Parts | None):
     if parts is None:
         return _linear(inputs[0], weight)
     cols = weight.shape[1] // parts.local
-    return sum_parts([_linear(x, weight[:, part * cols : (part + 1) * cols]) for part, x in enumerate(inputs)], parts)
+    return sum_parts([_linear(x, _columns(weight, part * cols, (part + 1) * cols)) for part, x in enumerate(inputs)],
+                     parts)
 
 
 def sum_parts(partials: list, parts: Parts):
@@ -756,7 +771,8 @@ def final_logits(params: Params, cfg: GemmaConfig, hidden, vocab_ids=None, parts
     if parts is None:
         logits = _linear(x, head)
     else:
-        per_part = jnp.split(head, parts.local)
+        rows = head.shape[0] // parts.local
+        per_part = [_rows(head, part * rows, (part + 1) * rows) for part in range(parts.local)]
         logits = jnp.concatenate([_linear(_own_input(x, part), rows) for part, rows in enumerate(per_part)], axis=-1)
         logits = jax.lax.all_gather(logits.astype(jnp.float32), parts.axis, axis=logits.ndim - 1, tiled=True)
     if barrier:

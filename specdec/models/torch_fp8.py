@@ -11,11 +11,17 @@ import torch
 from specdec.models.fp8 import E4M3_MAX
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] (any float dtype) -> (float8_e4m3fn values [N, K], float32 scales [N]): jax_fp8.quantize's
-    arithmetic, so both engines hold the same bits."""
+    arithmetic, so both engines hold the same bits. `group`: the tensor-parallel group over which `weight` is this
+    device's slice of the reduction (a row-parallel linear's columns): each row's peak is then the whole row's, so
+    every device count quantizes to the same bits."""
     w = weight.float()
     peak = w.abs().amax(dim=1)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(peak, dist.ReduceOp.MAX, group)
     scale = torch.where(peak > 0, peak * (1 / E4M3_MAX), torch.ones_like(peak))  # as jax_fp8's
     # e4m3fn has no infinity: a quotient rounded past 448 would convert to NaN, so it is clipped first
     return (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale

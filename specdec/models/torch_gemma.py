@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models import decode_attention, fp8, skinny_gemm, torch_fp8
-from specdec.models.fp8 import check_fp8_on_one_device
 from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tp_parts, rope_inv_freq,
                                    tp_split_axis, vocab_rows)
 from specdec.models.decode_plan import SPLIT_MAX_ROWS, reduction_splits
@@ -228,21 +227,25 @@ class Packed(nn.Module):
 
     def pack(self) -> None:
         linears = self.linears()
+        scaled = hasattr(linears[0], "weight_scale")  # FP8 (torch_fp8): the scales pack as their rows do
         if self.parts is None:
             packed = torch.cat([lin.weight.detach() for lin in linears])
-            if hasattr(linears[0], "weight_scale"):
+            if scaled:
                 self.packed_scale = torch.cat([lin.weight_scale for lin in linears])
         else:
             packed = torch.stack([torch.cat([lin.weight.detach().chunk(self.parts)[part] for lin in linears])
                                   for part in range(self.parts)])
+            if scaled:
+                self.packed_scale = torch.stack([torch.cat([lin.weight_scale.chunk(self.parts)[part] for lin in linears])
+                                                 for part in range(self.parts)])
             out = getattr(self, self.row_parallel)
             out.weight = nn.Parameter(torch.stack(out.weight.detach().chunk(self.parts, dim=-1)), requires_grad=False)
         start = 0
         for lin in linears:
             rows = lin.weight.shape[0] // (self.parts or 1)
             lin.weight = nn.Parameter(packed[..., start : start + rows, :], requires_grad=False)
-            if self.packed_scale is not None:
-                lin.weight_scale = self.packed_scale[start : start + rows]
+            if scaled:
+                lin.weight_scale = self.packed_scale[..., start : start + rows]
             start += rows
         self.packed = packed
 
@@ -258,6 +261,7 @@ class Packed(nn.Module):
                 scale = torch.cat([lin.weight_scale for lin in linears])
         else:  # packed as GemmaModel's constructors leave it: each linear's weight [parts, rows of a part, in]
             weight = self.packed[part]
+            scale = None if self.packed_scale is None else self.packed_scale[part]
         return list(linear(x, weight, scale).split([lin.weight.shape[-2] for lin in linears], dim=-1))
 
     def combine(self, outputs, group) -> torch.Tensor:
@@ -266,7 +270,8 @@ class Packed(nn.Module):
         out = getattr(self, self.row_parallel)
         if self.parts is None:
             return sum_across(through(outputs, out), group)
-        return sum_parts([linear(x, out.weight[part]) for part, x in enumerate(outputs)], group)  # [parts, out, in]
+        scale = getattr(out, "weight_scale", None)  # FP8: the whole rows' scales, for every part
+        return sum_parts([linear(x, out.weight[part], scale) for part, x in enumerate(outputs)], group)  # [parts, out, in]
 
 
 class MLP(Packed):
@@ -682,15 +687,16 @@ class GemmaModel(nn.Module):
     def quantize_fp8(self) -> "GemmaModel":
         """Every linear that fp8.quantizes as FP8 values and a `weight_scale` per output row (torch_fp8), in place,
         one weight at a time, before packing; a tied LM head gets an FP8 copy of its own as `lm_head`, so the token
-        table keeps its rows. One device only."""
-        check_fp8_on_one_device(self.tp_group is not None or self.tp_parts is not None)
+        table keeps its rows. Under tensor parallelism, a row-parallel linear's scales are its whole rows': each
+        device count (and parts) quantizes to one device's bits."""
         if self.cfg.tie_word_embeddings:
             table = self.embed_tokens.weight
             self.lm_head = nn.Linear(table.shape[1], table.shape[0], bias=False, device="meta")
             self.lm_head.weight = nn.Parameter(table.detach(), requires_grad=False)  # quantized below, as a copy
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and fp8.quantizes(f"{name}.weight", module.weight.shape):
-                values, scale = torch_fp8.quantize(module.weight.detach())
+                split_rows = tp_split_axis(self.cfg, f"{name}.weight", 1) == 1  # this device holds some columns
+                values, scale = torch_fp8.quantize(module.weight.detach(), self.tp_group if split_rows else None)
                 module.weight = nn.Parameter(values, requires_grad=False)
                 module.register_buffer("weight_scale", scale)
         return self
@@ -828,12 +834,13 @@ class GemmaModel(nn.Module):
         x = self.norm(x[:, -1:] if last_only else x)
         own_head = hasattr(self, "lm_head")  # untied, or a tied head's FP8 copy (quantize_fp8)
         head = self.lm_head.weight if own_head else self.embed_tokens.weight
-        if own_head and hasattr(self.lm_head, "weight_scale"):
-            logits = through(x, self.lm_head)
-        elif self.parts is None:
-            logits = dense_linear(x, head)
+        scale = getattr(self.lm_head, "weight_scale", None) if own_head else None
+        if self.parts is None:
+            logits = linear(x, head, scale) if scale is not None else dense_linear(x, head)
         else:  # the vocabulary's parts as devices holding them alone compute them
-            logits = torch.cat([dense_linear(x, rows) for rows in head.chunk(self.parts)], dim=-1)
+            scales = [None] * self.parts if scale is None else scale.chunk(self.parts)
+            logits = torch.cat([linear(x, rows, part_scale) if part_scale is not None else dense_linear(x, rows)
+                                for rows, part_scale in zip(head.chunk(self.parts), scales)], dim=-1)
         if self.vocab_share["embed_tokens.weight"] is not None:  # this device's share of the vocabulary
             logits = gather_across(logits, self.tp_group)
         logits = logits.float()

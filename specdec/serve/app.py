@@ -51,7 +51,7 @@ class ServeConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     served_model_name: str | None = None  # None: the checkpoint directory's name
     dtype: str | None = None
-    fp8: bool = False  # FP8 linears (specdec.models.fp8; one device)
+    fp8: bool = False  # FP8 linears (specdec.models.fp8)
     compile: bool = True  # torch on CUDA: torch.compile the forward (a server decodes long enough to repay it)
 
 

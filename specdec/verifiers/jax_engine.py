@@ -48,7 +48,7 @@ from specdec.generate import CycleResult, StopCondition, check_context
 from specdec.models.config import (PARTS_GPU_XLA_FLAGS, GemmaConfig, check_tensor_parallel, check_tp_parts,
                                    decode_width, round_up, tp_split_axis)
 from specdec.models.checkpoint import load_checkpoint
-from specdec.models.fp8 import check_fp8_on_one_device
+from specdec.models.jax_fp8 import Fp8Weight
 from specdec.models.jax_gemma import (Cache, Params, Parts, default_dtype, forward, init_cache, is_fp8, load_params,
                                       layer_prefix, pack_projections, pack_rows, reset_cache, to_device,
                                       to_device_shapes)
@@ -72,11 +72,16 @@ def check_mesh(cfg: GemmaConfig, mesh: Mesh) -> None:
     check_tensor_parallel(cfg, mesh.shape[TP_AXIS])
 
 
-def param_partition_spec(cfg: GemmaConfig, name: str, tp: int) -> P:
+def param_partition_spec(cfg: GemmaConfig, name: str, tp: int, param=None):
     """The mesh axis on the dimension config.tp_split_axis names (none: replicated; dimensions past the
-    split one are whole). In parts (`tp` the parts), a packed weight (jax_gemma.pack_projections) splits by row."""
+    split one are whole). In parts (`tp` the parts), a packed weight (jax_gemma.pack_projections) splits by row.
+    For an FP8 `param` (a pytree of values and scales), the specs of both: its scales split as its rows do, and
+    stay whole where the reduction splits."""
     axis = 0 if "+" in name else tp_split_axis(cfg, name, tp)
-    return P() if axis is None else P(*[None] * axis, TP_AXIS)
+    spec = P() if axis is None else P(*[None] * axis, TP_AXIS)
+    if isinstance(param, Fp8Weight):
+        return Fp8Weight(spec, spec if axis == 0 else P())
+    return spec
 
 
 def _packed(params: Params) -> Params:
@@ -102,7 +107,7 @@ def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh, parts: Parts | No
     tp = mesh.shape[TP_AXIS] if parts is None else parts.count
 
     def place(names) -> Params:
-        return {name: jax.device_put(params[name], NamedSharding(mesh, param_partition_spec(cfg, name, tp)))
+        return {name: jax.device_put(params[name], _named(mesh, param_partition_spec(cfg, name, tp, params[name])))
                 for name in names}
 
     if parts is None:
@@ -111,6 +116,11 @@ def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh, parts: Parts | No
     for _, names in itertools.groupby(sorted(params), key=layer_prefix):
         placed.update(pack_on_devices(place(names), mesh, parts))
     return placed
+
+
+def _named(mesh: Mesh, specs):
+    """NamedShardings over `mesh` for a spec or a pytree of them (an FP8 weight's)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def pack_on_devices(params: Params, mesh: Mesh, parts: Parts) -> Params:
@@ -144,12 +154,12 @@ def cache_shardings(cache: Cache, mesh: Mesh):
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cache), is_leaf=lambda x: isinstance(x, P))
 
 
-def forward_in_parts(cfg: GemmaConfig, mesh: Mesh, parts: Parts, param_names, cache: Cache, **static) -> Callable:
+def forward_in_parts(cfg: GemmaConfig, mesh: Mesh, parts: Parts, params, cache: Cache, **static) -> Callable:
     """jax_gemma.forward in `parts` as one program over the mesh: (params, tokens, positions, cache) -> forward's
     (logits, hidden, cache). Each device runs its parts on its blocks of the weights and the cache (shard_map);
     the collectives are the forward's own (sum_parts' gathers, the lookups' sums, the LM head's gather), so no
     partitioner chooses where they go or in which order a reduction adds."""
-    param_specs = {name: param_partition_spec(cfg, name, parts.count) for name in param_names}
+    param_specs = {name: param_partition_spec(cfg, name, parts.count, param) for name, param in params.items()}
     specs = cache_specs(cache)
 
     def body(params, tokens, positions, cache):
@@ -257,7 +267,6 @@ class JaxEngine:
             self.parts = Parts(tp_parts, mesh.shape[TP_AXIS], TP_AXIS)
         self.mesh = mesh
         self.fp8 = is_fp8(params)
-        check_fp8_on_one_device(self.fp8 and mesh is not None)
         if self.parts is not None and jax.default_backend() == "gpu" and (
                 not set(PARTS_GPU_XLA_FLAGS) <= set(os.environ.get("XLA_FLAGS", "").split())):
             raise SpecdecError(f"tensor-parallel parts on GPUs compute the same bits on every device count only with "
@@ -305,7 +314,6 @@ class JaxEngine:
         param_shapes and cache_shapes). The thread starts at `start_transfer` or at the first use of `params`
         or `cache`, which wait for it (and raise what it raised). `fp8`: the linears in FP8 (specdec.models.fp8)."""
         pack = kwargs.get("mesh") is None and kwargs.get("tp_parts") is None
-        check_fp8_on_one_device(fp8 and not pack)  # before the checkpoint is read
         if not background:
             cfg, params = load_params(path, dtype, pack, fp8=fp8)
             return cls(cfg, params, **kwargs)

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec.errors import SpecdecError
 from specdec.models import fp8, jax_decode_attention, jax_fp8, jax_gemma
 from specdec.models.random_init import write_random_checkpoint
 from specdec.verifiers.jax_engine import JaxEngine, make_mesh
@@ -104,13 +103,15 @@ def test_fp8_greedy_speculative_output_is_the_plain_decodes(tmp_path, variant, k
     assert speculative == plain
 
 
-def test_fp8_with_tensor_parallelism_is_refused(random_checkpoints):
+def test_fp8_weights_on_a_mesh_and_in_one_part_decode_as_on_one_device(random_checkpoints):
+    """float32 on the CPU: FP8 weights placed on a mesh of one device, or computed in one tensor-parallel part,
+    decode one device's tokens (two devices: test_jax_engine's parts tests)."""
     path = random_checkpoints["gemma3"]
-    with pytest.raises(SpecdecError, match="FP8 weights run on one device"):
-        JaxEngine.from_checkpoint(path, dtype=jnp.float32, fp8=True, tp_parts=1, max_seq_len=64, k_max=4)
     cfg, params = jax_gemma.load_params(path, jnp.float32, fp8=True)
-    with pytest.raises(SpecdecError, match="FP8 weights run on one device"):
-        JaxEngine(cfg, params, mesh=make_mesh(1), max_seq_len=64, k_max=4)
+    tokens = JaxEngine(cfg, params, max_seq_len=64, k_max=4).generate([1, 2, 3], 8)
+    assert JaxEngine(cfg, params, mesh=make_mesh(1), max_seq_len=64, k_max=4).generate([1, 2, 3], 8) == tokens
+    in_parts = JaxEngine.from_checkpoint(path, dtype=jnp.float32, fp8=True, tp_parts=1, max_seq_len=64, k_max=4)
+    assert in_parts.fp8 and in_parts.generate([1, 2, 3], 8) == tokens
 
 
 @pytest.mark.gpu

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.errors import SpecdecError
 from specdec.models import fp8, jax_fp8, skinny_gemm, torch_fp8
 from specdec.models.checkpoint import load_checkpoint
 from specdec.models.torch_gemma import GemmaModel
@@ -81,9 +80,18 @@ def test_an_fp8_model_computes_the_model_its_weights_stand_for(random_checkpoint
             torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
-def test_fp8_with_tensor_parallel_parts_is_refused(random_checkpoints):
-    with pytest.raises(SpecdecError, match="FP8 weights run on one device"):
-        GemmaModel.from_checkpoint(random_checkpoints["gemma3"], fp8=True, tp_parts=1, max_seq_len=64)
+def test_fp8_weights_in_two_parts_on_one_device_decode_as_unsplit(random_checkpoints):
+    """float32 on the CPU: FP8 weights in two tensor-parallel parts (the parts' scales packed as their rows, the
+    row-parallel linears' whole rows' scales for each part) decode the unsplit FP8 model's tokens (two devices:
+    test_torch_tensor_parallel)."""
+    from specdec.verifiers.torch_engine import TorchEngine
+
+    path = random_checkpoints["gemma4_e"]
+    whole = GemmaModel.from_checkpoint(path, fp8=True, max_seq_len=64)
+    parts = GemmaModel.from_checkpoint(path, fp8=True, tp_parts=2, max_seq_len=64)
+    assert parts.fp8 and parts.layers[0].mlp.packed_scale.shape[0] == 2
+    tokens = TorchEngine(whole, max_seq_len=64, k_max=4).greedy_decode([2, 5, 6, 7], 12)
+    assert len(set(tokens)) > 3 and TorchEngine(parts, max_seq_len=64, k_max=4).greedy_decode([2, 5, 6, 7], 12) == tokens
 
 
 SHAPES = {  # columns, reduction: one step a slice, unrolled steps, a pipelined loop (E4B's down, a 31B-like head)

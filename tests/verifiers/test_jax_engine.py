@@ -417,20 +417,25 @@ PARTS_SCRIPT = textwrap.dedent(
 )
 
 
+def parts_env(platform: str) -> dict:
+    """The environment of a child process with 2 devices: host devices on the CPU, or the first 2 GPUs (skipped
+    without them) with the XLA flags parts need there."""
+    if platform == "cpu":
+        return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    torch = pytest.importorskip("torch")  # counts GPUs without JAX taking their memory in this process
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    return dict(os.environ, JAX_PLATFORMS="cuda", CUDA_VISIBLE_DEVICES="0,1", XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                XLA_FLAGS=with_parts_xla_flags(os.environ.get("XLA_FLAGS", "")))
+
+
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_parts_on_two_devices_compute_one_devices_bits(random_checkpoints, platform):
     """Split over 2 devices by XLA's partitioner, a model computes other logits than on one device (on 2 host
     devices); in 2 tensor-parallel parts, the same to the bit, and decodes the same tokens, in bf16 and float32, on
     2 host devices and on 2 GPUs. A Gemma 4 model with k_eq_v globals, the E-style model (per-layer inputs,
     KV-shared layers) and Gemma 3."""
-    if platform == "cpu":
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    else:
-        torch = pytest.importorskip("torch")  # counts GPUs without JAX taking their memory in this process
-        if torch.cuda.device_count() < 2:
-            pytest.skip("needs 2 GPUs")
-        env = dict(os.environ, JAX_PLATFORMS="cuda", CUDA_VISIBLE_DEVICES="0,1", XLA_PYTHON_CLIENT_PREALLOCATE="false",
-                   XLA_FLAGS=with_parts_xla_flags(os.environ.get("XLA_FLAGS", "")))
+    env = parts_env(platform)
     paths = [str(random_checkpoints[v]) for v in ("gemma3", "gemma4_e")]
     proc = subprocess.run([sys.executable, "-c", PARTS_SCRIPT, *paths], env=env, capture_output=True, text=True,
                           timeout=900)
@@ -447,3 +452,54 @@ def test_parts_on_two_devices_compute_one_devices_bits(random_checkpoints, platf
     assert len(set(result["bfloat16 k_eq_v: parts on one"]["tokens"])) > 10  # a model that does not repeat a token
     assert result["drafting for itself"] == dict(tokens=result[f"bfloat16 {paths[-1]}: parts on two"]["tokens"],
                                                  acceptance=1.0)
+
+
+FP8_PARTS_SCRIPT = textwrap.dedent(
+    """
+    import hashlib, json, sys
+    import numpy as np
+    import jax, jax.numpy as jnp
+    from specdec.models.config import GemmaConfig
+    from specdec.models.jax_gemma import random_params
+    from specdec.verifiers.jax_engine import JaxEngine, make_mesh
+
+    k_eq_v = GemmaConfig.from_dict(dict(
+        model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=4, layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=30.0,
+        tie_word_embeddings=False))
+    quantized = random_params(k_eq_v, jax.random.key(0), jnp.bfloat16, fp8=True)
+    models = {"k_eq_v": lambda **kw: JaxEngine(k_eq_v, quantized, **kw),
+              "gemma4_e": lambda **kw: JaxEngine.from_checkpoint(sys.argv[1], dtype="bfloat16", fp8=True, **kw)}
+    prompt = [2] + list(range(5, 21)) * 3
+    result = {}
+    for model, make in models.items():
+        for split, kw in [("two", dict(mesh=make_mesh(2))), ("parts on one", dict(tp_parts=2)),
+                          ("parts on two", dict(mesh=make_mesh(2), tp_parts=2))]:
+            engine = make(max_seq_len=256, k_max=4, **kw)
+            tokens = engine.generate(prompt, 16)
+            pending = engine.prefill([prompt])
+            logits = engine.verify(jnp.asarray([[int(pending[0]), 7, 8, 9, 10]], jnp.int32)).logits
+            digest = hashlib.sha256(np.asarray(logits, np.float32).tobytes()).hexdigest()[:16]
+            result[f"{model}: {split}"] = dict(tokens=tokens, digest=digest, fp8=engine.fp8)
+    print(json.dumps(result))
+    """
+)
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_weights_in_parts_on_two_devices_compute_one_devices_bits(random_checkpoints, platform):
+    """FP8 linears (bf16 activations) split over 2 devices: by XLA's partitioner they decode; in 2 tensor-parallel
+    parts, one device's bits, on 2 host devices and on 2 GPUs. The 31B's layout (k_eq_v globals), and the E-style
+    model from its checkpoint (quantized as it is read)."""
+    env = parts_env(platform)
+    proc = subprocess.run([sys.executable, "-c", FP8_PARTS_SCRIPT, str(random_checkpoints["gemma4_e"])], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for model in ("k_eq_v", "gemma4_e"):
+        assert all(result[f"{model}: {split}"]["fp8"] for split in ("two", "parts on one", "parts on two"))
+        assert len(result[f"{model}: two"]["tokens"]) == 16
+        assert result[f"{model}: parts on two"] == result[f"{model}: parts on one"], model
+    assert len(set(result["k_eq_v: parts on one"]["tokens"])) > 10

@@ -224,7 +224,7 @@ def test_cli_tensor_parallel_without_torchrun_is_one_line(ckpt, tmp_path):
 PARTS_WORKER = textwrap.dedent("""
     import hashlib, json, os, sys
     import torch, torch.distributed as dist
-    rank, world, port, ckpt, parts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    rank, world, port, ckpt, parts, fp8 = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6] == "fp8"
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     from specdec.models.torch_gemma import GemmaModel
@@ -232,14 +232,14 @@ PARTS_WORKER = textwrap.dedent("""
 
     prompt = [2] + list(range(5, 21)) * 3
     model = GemmaModel.from_checkpoint(ckpt, dtype=torch.bfloat16, max_seq_len=256, tp_parts=None if parts == "none" else int(parts),
-                                       tp_group=dist.group.WORLD if world > 1 else None)
+                                       tp_group=dist.group.WORLD if world > 1 else None, fp8=fp8)
     engine = TorchEngine(model, max_seq_len=256, k_max=4)
     with torch.inference_mode():
         plain = engine.greedy_decode(prompt, 24)
         pending = engine.prefill([prompt])
         logits = engine.verify(torch.tensor([[int(pending[0]), 7, 8, 9, 10]])).logits.float()
     if rank == 0:
-        print(json.dumps({"plain": plain, "logits": hashlib.sha256(logits.numpy().tobytes()).hexdigest()}))
+        print(json.dumps({"plain": plain, "logits": hashlib.sha256(logits.numpy().tobytes()).hexdigest(), "fp8": model.fp8}))
     if world > 1:
         dist.barrier()
     sys.stdout.flush()
@@ -247,8 +247,8 @@ PARTS_WORKER = textwrap.dedent("""
 """)
 
 
-def decode_bf16(ckpt, world: int, parts: str) -> dict:
-    return run_ranks(PARTS_WORKER, world, ckpt, parts)
+def decode_bf16(ckpt, world: int, parts: str, weights: str = "bf16") -> dict:
+    return run_ranks(PARTS_WORKER, world, ckpt, parts, weights)
 
 
 def test_parts_make_two_devices_compute_one_devices_bits_in_bf16(random_checkpoints, k_eq_v_checkpoint):
@@ -261,6 +261,15 @@ def test_parts_make_two_devices_compute_one_devices_bits_in_bf16(random_checkpoi
         one, two = decode_bf16(ckpt, 1, "2"), decode_bf16(ckpt, 2, "2")
         assert len(set(one["plain"])) > 10
         assert two == one
+
+
+def test_parts_make_two_devices_compute_one_devices_bits_with_fp8_weights(k_eq_v_checkpoint):
+    """FP8 linears (bf16 activations) in two parts, the 31B's layout (k_eq_v globals): two devices quantize to one
+    device's bits (a row-parallel linear's scales are its whole rows' peaks, agreed across the devices) and compute
+    its logits to the bit."""
+    one, two = decode_bf16(k_eq_v_checkpoint, 1, "2", "fp8"), decode_bf16(k_eq_v_checkpoint, 2, "2", "fp8")
+    assert one["fp8"] and len(set(one["plain"])) > 10
+    assert two == one
 
 
 def test_parts_that_cannot_be_computed_so_are_refused(random_checkpoints, moe_checkpoint):
@@ -325,8 +334,10 @@ def test_parts_on_one_gpu_two_ranks_compute_one_ranks_bits(tmp_path):
 
 
 @pytest.mark.gpu
-def test_parts_on_two_gpus_compute_one_gpus_bits(tmp_path):
-    """The same over NCCL on two GPUs, as `specdec roofline` runs tensor parallelism (needs 2 GPUs)."""
+@pytest.mark.parametrize("weights", [[], ["--fp8"]], ids=["bf16", "fp8"])
+def test_parts_on_two_gpus_compute_one_gpus_bits(tmp_path, weights):
+    """The same over NCCL on two GPUs, as `specdec roofline` runs tensor parallelism (needs 2 GPUs), with bf16
+    weights and with FP8 ones (skinny_gemm's kernel in each part)."""
     import torch
 
     if torch.cuda.device_count() < 2:
@@ -334,7 +345,7 @@ def test_parts_on_two_gpus_compute_one_gpus_bits(tmp_path):
     out = tmp_path / "roofline.json"
     done = subprocess.run([sys.executable, "-m", "specdec", "roofline", "--models", "31b", "--engines", "torch",
                            "--layers", "6", "--tensor-parallel", "1,2", "--tp-parts", "2", "--steps", "8", "--tokens",
-                           "16", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=1800)
+                           "16", "--out", str(out), *weights], cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     one, two = json.loads(out.read_text())["rows"]
     assert (one["tensor_parallel"], two["tensor_parallel"]) == (1, 2)
