@@ -33,6 +33,7 @@ import functools
 import itertools
 import os
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple
 
@@ -267,6 +268,11 @@ class JaxEngine:
             self.parts = Parts(tp_parts, mesh.shape[TP_AXIS], TP_AXIS)
         self.mesh = mesh
         self.fp8 = is_fp8(params)
+        if self.fp8 and self.parts is not None and jax.default_backend() == "gpu":
+            # PARTS_GPU_XLA_FLAGS turn XLA's Triton GEMMs off, and cuBLAS takes no FP8 weight beside bf16 rows
+            warnings.warn("FP8 weights in tensor-parallel parts on GPUs ran 2.6x slower than on one GPU in the JAX "
+                          "engine (cuBLAS's products, docs/benchmarks.md); the torch engine's parts ran 1.46x faster "
+                          "on two GPUs", stacklevel=2)
         if self.parts is not None and jax.default_backend() == "gpu" and (
                 not set(PARTS_GPU_XLA_FLAGS) <= set(os.environ.get("XLA_FLAGS", "").split())):
             raise SpecdecError(f"tensor-parallel parts on GPUs compute the same bits on every device count only with "
