@@ -177,12 +177,11 @@ def run_bench(settings: BenchSettings) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    from specdec.progress import LoggedProgress
-
     from specdec.api import resolve_checkpoint
     from specdec.evidence import git_commit, now_utc
     from specdec.models.config import decode_width
     from specdec.models.tokenizer import Tokenizer
+    from specdec.progress import LoggedProgress
 
     check_settings(settings)
     texts = load_prompts(settings)

@@ -1,6 +1,6 @@
 """Progress bars that also show in logs.
 
-rich's Progress draws a live bar on a terminal. On a console that is none (output to a file, CI, a remote
+rich's Progress draws a live bar on a terminal. Where the console is no terminal (output to a file, CI, a remote
 command), it draws nothing until it stops, and nothing at all if transient: `specdec validate` on a GPU ran for
 9 minutes without a line. LoggedProgress prints a line there instead, for each new description and at least every
 `every` seconds while the count moves.
