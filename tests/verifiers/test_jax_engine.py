@@ -375,16 +375,16 @@ def test_weights_packed_in_parts_on_each_device_are_the_packed_whole_split(rando
         assert case["packed"] > 0
 
 
-PARTS_SCRIPT = textwrap.dedent(
+# What the scripts of the parts tests share: a Gemma 4 model with k_eq_v globals (the 31B's layout) and what an engine
+# decodes (16 greedy tokens, and a digest of one verify forward's logits).
+PARTS_PRELUDE = textwrap.dedent(
     """
     import hashlib, json, sys
     import numpy as np
     import jax, jax.numpy as jnp
-    from specdec.drafters.model import ModelDrafter, drafter_engine
-    from specdec.generate import StopCondition, run_cycles
     from specdec.models.config import GemmaConfig
     from specdec.models.jax_gemma import random_params
-    from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle, make_mesh
+    from specdec.verifiers.jax_engine import JaxEngine, make_mesh
 
     k_eq_v = GemmaConfig.from_dict(dict(
         model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -392,21 +392,33 @@ PARTS_SCRIPT = textwrap.dedent(
         num_attention_heads=8, num_key_value_heads=4, head_dim=16, global_head_dim=32,
         num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=30.0,
         tie_word_embeddings=False))
+    prompt = [2] + list(range(5, 21)) * 3
+
+
+    def decoded(engine) -> dict:
+        tokens = engine.generate(prompt, 16)
+        pending = engine.prefill([prompt])
+        logits = engine.verify(jnp.asarray([[int(pending[0]), 7, 8, 9, 10]], jnp.int32)).logits
+        return dict(tokens=tokens, digest=hashlib.sha256(np.asarray(logits, np.float32).tobytes()).hexdigest()[:16])
+    """
+)
+
+PARTS_SCRIPT = PARTS_PRELUDE + textwrap.dedent(
+    """
+    from specdec.drafters.model import ModelDrafter, drafter_engine
+    from specdec.generate import StopCondition, run_cycles
+    from specdec.verifiers.jax_engine import JaxFusedCycle
+
     models = {"k_eq_v": lambda dtype, **kw: JaxEngine(k_eq_v, random_params(k_eq_v, jax.random.key(0), dtype), **kw)}
     for path in sys.argv[1:]:
         models[path] = lambda dtype, path=path, **kw: JaxEngine.from_checkpoint(path, dtype=dtype, **kw)
-    prompt = [2] + list(range(5, 21)) * 3
     result = {}
     for dtype in ("bfloat16", "float32"):
         for model, make in models.items():
             for split, kw in [("one", {}), ("two", dict(mesh=make_mesh(2))), ("parts on one", dict(tp_parts=2)),
                               ("parts on two", dict(mesh=make_mesh(2), tp_parts=2))]:
                 engine = make(dtype, max_seq_len=256, k_max=4, **kw)
-                tokens = engine.generate(prompt, 16)
-                pending = engine.prefill([prompt])
-                logits = engine.verify(jnp.asarray([[int(pending[0]), 7, 8, 9, 10]], jnp.int32)).logits
-                digest = hashlib.sha256(np.asarray(logits, np.float32).tobytes()).hexdigest()[:16]
-                result[f"{dtype} {model}: {split}"] = dict(tokens=tokens, digest=digest)
+                result[f"{dtype} {model}: {split}"] = decoded(engine)
         if dtype == "bfloat16":  # the last engine, in parts on two devices, drafting for itself in the fused cycle
             drafter = ModelDrafter(drafter_engine(engine, engine), engine, 4)
             run = run_cycles(JaxFusedCycle(engine, drafter.device_draft_fn("jax", 4), 4), [prompt], 4,
@@ -454,35 +466,17 @@ def test_parts_on_two_devices_compute_one_devices_bits(random_checkpoints, platf
                                                  acceptance=1.0)
 
 
-FP8_PARTS_SCRIPT = textwrap.dedent(
+FP8_PARTS_SCRIPT = PARTS_PRELUDE + textwrap.dedent(
     """
-    import hashlib, json, sys
-    import numpy as np
-    import jax, jax.numpy as jnp
-    from specdec.models.config import GemmaConfig
-    from specdec.models.jax_gemma import random_params
-    from specdec.verifiers.jax_engine import JaxEngine, make_mesh
-
-    k_eq_v = GemmaConfig.from_dict(dict(
-        model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=4, layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
-        num_attention_heads=8, num_key_value_heads=4, head_dim=16, global_head_dim=32,
-        num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=30.0,
-        tie_word_embeddings=False))
     quantized = random_params(k_eq_v, jax.random.key(0), jnp.bfloat16, fp8=True)
     models = {"k_eq_v": lambda **kw: JaxEngine(k_eq_v, quantized, **kw),
               "gemma4_e": lambda **kw: JaxEngine.from_checkpoint(sys.argv[1], dtype="bfloat16", fp8=True, **kw)}
-    prompt = [2] + list(range(5, 21)) * 3
     result = {}
     for model, make in models.items():
         for split, kw in [("two", dict(mesh=make_mesh(2))), ("parts on one", dict(tp_parts=2)),
                           ("parts on two", dict(mesh=make_mesh(2), tp_parts=2))]:
             engine = make(max_seq_len=256, k_max=4, **kw)
-            tokens = engine.generate(prompt, 16)
-            pending = engine.prefill([prompt])
-            logits = engine.verify(jnp.asarray([[int(pending[0]), 7, 8, 9, 10]], jnp.int32)).logits
-            digest = hashlib.sha256(np.asarray(logits, np.float32).tobytes()).hexdigest()[:16]
-            result[f"{model}: {split}"] = dict(tokens=tokens, digest=digest, fp8=engine.fp8)
+            result[f"{model}: {split}"] = dict(decoded(engine), fp8=engine.fp8)
     print(json.dumps(result))
     """
 )
