@@ -771,8 +771,8 @@ def final_logits(params: Params, cfg: GemmaConfig, hidden, vocab_ids=None, parts
     if parts is None:
         logits = _linear(x, head)
     else:
-        rows = head.shape[0] // parts.local
-        per_part = [_rows(head, part * rows, (part + 1) * rows) for part in range(parts.local)]
+        size = head.shape[0] // parts.local
+        per_part = [_rows(head, part * size, (part + 1) * size) for part in range(parts.local)]
         logits = jnp.concatenate([_linear(_own_input(x, part), rows) for part, rows in enumerate(per_part)], axis=-1)
         logits = jax.lax.all_gather(logits.astype(jnp.float32), parts.axis, axis=logits.ndim - 1, tiled=True)
     if barrier:

@@ -228,16 +228,17 @@ class Packed(nn.Module):
     def pack(self) -> None:
         linears = self.linears()
         scaled = hasattr(linears[0], "weight_scale")  # FP8 (torch_fp8): the scales pack as their rows do
-        if self.parts is None:
-            packed = torch.cat([lin.weight.detach() for lin in linears])
-            if scaled:
-                self.packed_scale = torch.cat([lin.weight_scale for lin in linears])
-        else:
-            packed = torch.stack([torch.cat([lin.weight.detach().chunk(self.parts)[part] for lin in linears])
-                                  for part in range(self.parts)])
-            if scaled:
-                self.packed_scale = torch.stack([torch.cat([lin.weight_scale.chunk(self.parts)[part] for lin in linears])
-                                                 for part in range(self.parts)])
+
+        def by_rows(tensors):
+            """The linears' rows in order; in parts, each part's rows of each: [parts, rows of a part, ...]."""
+            if self.parts is None:
+                return torch.cat(tensors)
+            return torch.stack([torch.cat([t.chunk(self.parts)[part] for t in tensors]) for part in range(self.parts)])
+
+        packed = by_rows([lin.weight.detach() for lin in linears])
+        if scaled:
+            self.packed_scale = by_rows([lin.weight_scale for lin in linears])
+        if self.parts is not None:
             out = getattr(self, self.row_parallel)
             out.weight = nn.Parameter(torch.stack(out.weight.detach().chunk(self.parts, dim=-1)), requires_grad=False)
         start = 0
@@ -835,12 +836,16 @@ class GemmaModel(nn.Module):
         own_head = hasattr(self, "lm_head")  # untied, or a tied head's FP8 copy (quantize_fp8)
         head = self.lm_head.weight if own_head else self.embed_tokens.weight
         scale = getattr(self.lm_head, "weight_scale", None) if own_head else None
+
+        def product(rows, scale):  # FP8 rows by their scales; bf16 or float32 rows by dense_linear (oneDNN on the CPU)
+            return dense_linear(x, rows) if scale is None else linear(x, rows, scale)
+
         if self.parts is None:
-            logits = linear(x, head, scale) if scale is not None else dense_linear(x, head)
+            logits = product(head, scale)
         else:  # the vocabulary's parts as devices holding them alone compute them
             scales = [None] * self.parts if scale is None else scale.chunk(self.parts)
-            logits = torch.cat([linear(x, rows, part_scale) if part_scale is not None else dense_linear(x, rows)
-                                for rows, part_scale in zip(head.chunk(self.parts), scales)], dim=-1)
+            logits = torch.cat([product(rows, part_scale) for rows, part_scale in zip(head.chunk(self.parts), scales)],
+                               dim=-1)
         if self.vocab_share["embed_tokens.weight"] is not None:  # this device's share of the vocabulary
             logits = gather_across(logits, self.tp_group)
         logits = logits.float()

@@ -152,7 +152,7 @@ def cache_specs(cache: Cache):
 
 
 def cache_shardings(cache: Cache, mesh: Mesh):
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cache), is_leaf=lambda x: isinstance(x, P))
+    return _named(mesh, cache_specs(cache))
 
 
 def forward_in_parts(cfg: GemmaConfig, mesh: Mesh, parts: Parts, params, cache: Cache, **static) -> Callable:

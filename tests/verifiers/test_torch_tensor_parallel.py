@@ -247,7 +247,7 @@ PARTS_WORKER = textwrap.dedent("""
 """)
 
 
-def decode_bf16(ckpt, world: int, parts: str, weights: str = "bf16") -> dict:
+def decode_in_parts(ckpt, world: int, parts: str, weights: str = "bf16") -> dict:
     return run_ranks(PARTS_WORKER, world, ckpt, parts, weights)
 
 
@@ -255,10 +255,10 @@ def test_parts_make_two_devices_compute_one_devices_bits_in_bf16(random_checkpoi
     """bf16: split in two, a model's sums round differently, and two devices decode other tokens than one. In two
     parts (--tp-parts 2) one device computes what each of two devices computes, and both get the same logits to
     the bit: dense with k_eq_v globals, and E-style (per-layer inputs, KV-shared layers)."""
-    one, two = decode_bf16(k_eq_v_checkpoint, 1, "none"), decode_bf16(k_eq_v_checkpoint, 2, "none")
+    one, two = decode_in_parts(k_eq_v_checkpoint, 1, "none"), decode_in_parts(k_eq_v_checkpoint, 2, "none")
     assert one["logits"] != two["logits"] and one["plain"] != two["plain"]  # what parts exist for
     for ckpt in (k_eq_v_checkpoint, random_checkpoints["gemma4_e"]):
-        one, two = decode_bf16(ckpt, 1, "2"), decode_bf16(ckpt, 2, "2")
+        one, two = decode_in_parts(ckpt, 1, "2"), decode_in_parts(ckpt, 2, "2")
         assert len(set(one["plain"])) > 10
         assert two == one
 
@@ -267,7 +267,7 @@ def test_parts_make_two_devices_compute_one_devices_bits_with_fp8_weights(k_eq_v
     """FP8 linears (bf16 activations) in two parts, the 31B's layout (k_eq_v globals): two devices quantize to one
     device's bits (a row-parallel linear's scales are its whole rows' peaks, agreed across the devices) and compute
     its logits to the bit."""
-    one, two = decode_bf16(k_eq_v_checkpoint, 1, "2", "fp8"), decode_bf16(k_eq_v_checkpoint, 2, "2", "fp8")
+    one, two = decode_in_parts(k_eq_v_checkpoint, 1, "2", "fp8"), decode_in_parts(k_eq_v_checkpoint, 2, "2", "fp8")
     assert one["fp8"] and len(set(one["plain"])) > 10
     assert two == one
 
