@@ -30,6 +30,7 @@ def rank_main(rank: int, world: int, port: str, layers: int, parts: int | None, 
     from specdec import roofline
     from specdec.models import torch_gemma
     from specdec.models.config import GemmaConfig
+    from specdec.protocol import DEFAULT_DRAFTS
     from specdec.verifiers.torch_engine import TorchEngine
 
     # gloo moves host tensors: the model's collectives go through host memory (this check's transport only).
@@ -42,7 +43,7 @@ def rank_main(rank: int, world: int, port: str, layers: int, parts: int | None, 
     model = torch_gemma.GemmaModel.random(cfg, torch.bfloat16, device, roofline.CONTEXT, tp_parts=parts,
                                           tp_group=dist.group.WORLD if world > 1 else None)
     # CUDA graphs cannot capture gloo's host copies: 2 ranks call the compiled forward directly (same kernels).
-    engine = TorchEngine(model, max_seq_len=roofline.CONTEXT, k_max=roofline.K_MAX, compile=compile,
+    engine = TorchEngine(model, max_seq_len=roofline.CONTEXT, k_max=DEFAULT_DRAFTS, compile=compile,
                          cuda_graphs=compile and world == 1)
     with torch.inference_mode():
         tokens = engine.greedy_decode(prompt, 32)
