@@ -46,8 +46,8 @@ def _warps(hidden: int) -> int:
     return 8 if hidden <= 1024 else 16
 
 
-def _kernel(position, partials_ref, residual_ref, post_ref, next_ref, scale_ref, x_ref, normed_ref, *, hidden: int,
-            eps: float, weight_offset: float, scaled: bool):
+def _kernel(position, partials_ref, residual_ref, post_ref, next_ref, scale_ref, x_ref, normed_ref=None, *,
+            hidden: int, eps: float, weight_offset: float, scaled: bool):
     from jax.experimental import pallas as pl
 
     row, dtype = position[0], x_ref.dtype
@@ -71,6 +71,8 @@ def _kernel(position, partials_ref, residual_ref, post_ref, next_ref, scale_ref,
         x = [rounded(part * scale_ref[0].astype(jnp.float32)) for part in x]
     for part, c in zip(x, columns):
         x_ref[row, c] = part.astype(dtype)
+    if normed_ref is None:
+        return
     for part, c in zip(normed(x, next_ref), columns):
         normed_ref[row, c] = part.astype(dtype)
 
@@ -78,7 +80,7 @@ def _kernel(position, partials_ref, residual_ref, post_ref, next_ref, scale_ref,
 def residual_norms(partials, residual, post_weight, next_weight, scale=None, *, eps: float, weight_offset: float,
                    prefetch=()):
     """`x = residual + norm(product, post_weight)`, times `scale` (Gemma 4's layer scalar [1]) where given, and
-    `norm(x, next_weight)`, both [B, T, H] in residual's dtype, in one kernel. The product comes as the splits of
+    `norm(x, next_weight)` (None where next_weight is None), both [B, T, H] in residual's dtype, in one kernel. The product comes as the splits of
     its reduction, `partials` [splits, B, T, H] (float32 where split, else the one product in the model's dtype),
     added here in order and rounded to the model's dtype, as the product itself is. Norms scale by
     weight_offset + w, in float32, rounded as jax_gemma._rms_norm rounds. Spare programs read the weights `prefetch`
@@ -89,12 +91,14 @@ def residual_norms(partials, residual, post_weight, next_weight, scale=None, *, 
     splits, B, T, hidden = partials.shape
     rows, dtype = B * T, residual.dtype
     kernel = functools.partial(_kernel, hidden=hidden, eps=eps, weight_offset=weight_offset, scaled=scale is not None)
-    operands = [partials.reshape(splits, rows, hidden), residual.reshape(rows, hidden), post_weight, next_weight,
-                post_weight if scale is None else scale]  # (an unread operand in scale's place)
+    outputs = 1 if next_weight is None else 2
+    operands = [partials.reshape(splits, rows, hidden), residual.reshape(rows, hidden), post_weight,
+                post_weight if next_weight is None else next_weight,
+                post_weight if scale is None else scale]  # (unread operands in next_weight's and scale's places)
     kernel, grid, in_specs, out_specs, out_shape, weights = with_prefetch(
-        kernel, (rows,), [pl.no_block_spec] * len(operands), [pl.no_block_spec] * 2,
-        [jax.ShapeDtypeStruct((rows, hidden), dtype)] * 2, prefetch)
-    x, normed, *_ = pl.pallas_call(
+        kernel, (rows,), [pl.no_block_spec] * len(operands), [pl.no_block_spec] * outputs,
+        [jax.ShapeDtypeStruct((rows, hidden), dtype)] * outputs, prefetch)
+    x, *normed = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
@@ -103,5 +107,5 @@ def residual_norms(partials, residual, post_weight, next_weight, scale=None, *, 
         compiler_params=plgpu.CompilerParams(num_warps=_warps(hidden), num_stages=1),
         interpret=interpreting(),
         name="decode_residual_norms",
-    )(*operands, *weights)
-    return x.reshape(B, T, hidden), normed.reshape(B, T, hidden)
+    )(*operands, *weights)[:outputs]
+    return x.reshape(B, T, hidden), normed[0].reshape(B, T, hidden) if normed else None

@@ -603,7 +603,8 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
 
     A decode forward that takes jax_decode_norms runs each residual add with the norms around it in one kernel:
     the one after attention, and the layer's last (after down_proj, or after the per-layer projection), which also
-    norms x for the next layer where there is one and no MoE block. Spare programs of two kernels read weights of
+    norms x for the next layer where there is one and no MoE block. With per-layer inputs, the add after down_proj
+    runs there too, with no norm after it: the per-layer gate takes x itself. Spare programs of two kernels read weights of
     up to 8 MB into L2 for the products ahead (jax_decode_attention.prefetched): attention's partials the layer's
     o_proj, gate/up and down, and the layer's last kernel the next layer's q/k/v. XLA's products wait on entry
     for the kernel before them, so they cannot load their weights early; from L2 they start sooner (a 270M
@@ -628,18 +629,21 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
         x = residual + norm("post_attention_layernorm", attn)
         h = norm("pre_feedforward_layernorm", x)
     residual = x
-    if closes and not cfg.has_per_layer_inputs:
+    if closes:
         down = _mlp(params, p + "mlp.", h, split=True)
-        return residual_norms(down, residual, params[p + "post_feedforward_layernorm.weight"], next_norm, scale,
-                              prefetch=_read_ahead(*next_weights))
-    h = _mlp(params, p + "mlp.", h, parts)
-    if cfg.enable_moe_block:
-        flat = residual.reshape(-1, residual.shape[-1])
-        weights, index = _route(params, cfg, p, flat)
-        moe_out = _experts(params, p, norm("pre_feedforward_layernorm_2", flat), weights, index)
-        moe_out = moe_out.reshape(residual.shape)
-        h = norm("post_feedforward_layernorm_1", h) + norm("post_feedforward_layernorm_2", moe_out)
-    x = residual + norm("post_feedforward_layernorm", h)
+        if not cfg.has_per_layer_inputs:
+            return residual_norms(down, residual, params[p + "post_feedforward_layernorm.weight"], next_norm, scale,
+                                  prefetch=_read_ahead(*next_weights))
+        x, _ = residual_norms(down, residual, params[p + "post_feedforward_layernorm.weight"], None)
+    else:
+        h = _mlp(params, p + "mlp.", h, parts)
+        if cfg.enable_moe_block:
+            flat = residual.reshape(-1, residual.shape[-1])
+            weights, index = _route(params, cfg, p, flat)
+            moe_out = _experts(params, p, norm("pre_feedforward_layernorm_2", flat), weights, index)
+            moe_out = moe_out.reshape(residual.shape)
+            h = norm("post_feedforward_layernorm_1", h) + norm("post_feedforward_layernorm_2", moe_out)
+        x = residual + norm("post_feedforward_layernorm", h)
     if cfg.has_per_layer_inputs:
         gated = _gelu(_linear(x, params[p + "per_layer_input_gate.weight"])) * per_layer_input
         if closes:

@@ -292,10 +292,11 @@ def inputs_calls(monkeypatch) -> list:
 
 @pytest.fixture
 def norms_calls(monkeypatch) -> list:
-    """(the product's splits, whether a layer scalar scales x) of the residual adds traced through
-    jax_decode_norms' kernel."""
+    """(the product's splits, whether a layer scalar scales x, whether x is normed for what follows) of the residual
+    adds traced through jax_decode_norms' kernel."""
     return recorded_calls(monkeypatch, jax_decode_norms, "residual_norms",
-                          lambda args, _: (args[0].shape[0], len(args) > 4 and args[4] is not None))
+                          lambda args, _: (args[0].shape[0], len(args) > 4 and args[4] is not None,
+                                           args[3] is not None))
 
 
 @pytest.fixture
@@ -313,7 +314,8 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     (reduction_splits), which the kernels add; gemma4_e's KV-shared layers take the inputs kernel for q alone.
     Residual adds: after attention, on o_proj's product (a reduction of 64 on sliding layers: one product; of 128 on
     gemma4_e's full layers: two slices); each layer's last but the last layer's, on down_proj's product (an
-    intermediate size of 128: two slices), or on gemma4_e's per-layer projection (one product) and layer scalar.
+    intermediate size of 128: two slices), or on gemma4_e's per-layer projection (one product) and layer scalar;
+    gemma4_e's add after down_proj (two slices, four on its KV-shared layers' double-wide MLP), with no norm after it.
     Read ahead into L2: by attention's partials, gate/up, down and o_proj where it is a whole block (gemma4_e's full
     layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v
     (not q alone, as gemma4_e's KV-shared layers have it: less than a block); by the last layer's, nothing."""
@@ -322,8 +324,8 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
                                                                     *prefetch_calls.values())
     assert {splits for splits, _ in inputs_calls} == {2}
     assert {writes for _, writes in inputs_calls} == ({True, False} if variant == "gemma4_e" else {True})
-    scaled_per_layer_projection = {(1, True)} if variant == "gemma4_e" else set()
-    assert set(norms_calls) == {(1, False), (2, False)} | scaled_per_layer_projection
+    per_layer_inputs = {(1, True, True), (2, False, False), (4, False, False)} if variant == "gemma4_e" else set()
+    assert set(norms_calls) == {(1, False, True), (2, False, True)} | per_layer_inputs
     assert set(prefetch_calls["partials"]) == {0, 2} | ({3} if variant == "gemma4_e" else set())  # 3: with o_proj
     assert set(prefetch_calls["residual_norms"]) == {0, 1}
     assert plain == reference

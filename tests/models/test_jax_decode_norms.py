@@ -88,6 +88,20 @@ def test_a_rows_outputs_depend_on_its_own_row_alone():
         assert not np.array_equal(np.asarray(a[:, 1]), np.asarray(b[:, 1]))
 
 
+def same_x_without_the_next_norm(args):
+    """With no next norm (next_weight None, as a layer with per-layer inputs adds after down_proj), the kernel gives
+    x alone, the bits of x with it."""
+    x_only, normed = run(args[:3] + (None,) + args[4:])
+    assert normed is None
+    np.testing.assert_array_equal(np.asarray(x_only, np.float32), np.asarray(run(args)[0], np.float32))
+
+
+@pytest.mark.parametrize("name", ["e4b per-layer projection: one product", "test model"])
+def test_without_the_next_norm_x_alone(name):
+    with in_float32():
+        same_x_without_the_next_norm(case(SHAPES[name], seed=9, dtype=jnp.float32))
+
+
 @pytest.mark.parametrize("name", ["270m", "31b, batch 2: three runs"])
 def test_weights_to_prefetch_change_no_output(name):
     with in_float32():
@@ -144,3 +158,10 @@ def test_the_early_launch_trigger_changes_no_bit(name, monkeypatch):
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_compiled_weights_to_prefetch_change_no_bit(name):
     same_bits_with_weights_to_prefetch(case(SHAPES[name], seed=8, dtype=jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@jax_gpu
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_compiled_without_the_next_norm_x_alone(name):
+    same_x_without_the_next_norm(case(SHAPES[name], seed=10, dtype=jnp.bfloat16))
