@@ -8,7 +8,8 @@ what 2 GPUs would compute, the times nothing. For when no 2-GPU machine is at ha
 
 For each of `--parts` (none: the plain split), 1 and 2 ranks decode 32 greedy tokens of the 31B shape cut to
 `--layers` layers (random weights, bf16, compiled), and digest the logits of one verify forward
-(roofline.logits_digest). All runs go at once (their times are not the point).
+(roofline.logits_digest). All runs go at once (their times are not the point). `--tiny --device cpu` runs the
+script at toy sizes of the same layout, eager, as its CPU test does.
 """
 
 import argparse
@@ -20,7 +21,8 @@ import sys
 from datetime import datetime, timezone
 
 
-def rank_main(rank: int, world: int, port: str, layers: int, parts: int | None, compile: bool, device: str) -> None:
+def rank_main(rank: int, world: int, port: str, layers: int, parts: int | None, compile: bool, device: str,
+              tiny: bool) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -38,7 +40,7 @@ def rank_main(rank: int, world: int, port: str, layers: int, parts: int | None, 
     torch_gemma._gather_first = lambda x, group: gather(x.cpu(), group).to(x.device)
     torch_gemma.sum_across = lambda x, group: x if group is None else reduce(x.cpu(), group).to(x.device)
 
-    cfg = GemmaConfig.from_dict(dict(roofline.GEMMA4_31B, num_hidden_layers=layers))
+    cfg = GemmaConfig.from_dict(dict(roofline.GEMMA4_TINY if tiny else roofline.GEMMA4_31B, num_hidden_layers=layers))
     prompt = [cfg.bos_token_id] + np.random.default_rng(0).integers(3, cfg.vocab_size, 127).tolist()
     model = torch_gemma.GemmaModel.random(cfg, torch.bfloat16, device, roofline.CONTEXT, tp_parts=parts,
                                           tp_group=dist.group.WORLD if world > 1 else None)
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--parts", default="none,2", help="comma-separated tp_parts to check; none: the plain split")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager forwards")
     parser.add_argument("--device", default="cuda", help="cuda; cpu (eager) to try the script itself")
+    parser.add_argument("--tiny", action="store_true", help="the 31B's layout at toy sizes (a smoke test on the CPU)")
     parser.add_argument("--out", help="JSON of the runs")
     parser.add_argument("--rank", nargs=4, help=argparse.SUPPRESS)  # world port parts rank: one rank's process
     args = parser.parse_args()
@@ -74,7 +77,7 @@ def main() -> None:
     if args.rank:
         world, port, parts, rank = args.rank
         rank_main(int(rank), int(world), port, args.layers, None if parts == "none" else int(parts), args.compile,
-                  args.device)
+                  args.device, args.tiny)
         return
     runs = []
     for parts in args.parts.split(","):
@@ -82,7 +85,7 @@ def main() -> None:
             port = free_port()
             runs.append([subprocess.Popen([sys.executable, __file__, "--layers", str(args.layers), "--rank", str(world),
                                            port, parts, str(rank), "--device", args.device]
-                                          + ["--no-compile"] * (not args.compile),
+                                          + ["--no-compile"] * (not args.compile) + ["--tiny"] * args.tiny,
                                           stdout=subprocess.PIPE, text=True) for rank in range(world)])
     rows = []
     for procs in runs:

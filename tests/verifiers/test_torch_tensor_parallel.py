@@ -320,17 +320,27 @@ def test_cli_jax_parts_on_two_devices_print_what_one_device_prints(dense_with_to
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.gpu
-def test_parts_on_one_gpu_two_ranks_compute_one_ranks_bits(tmp_path):
-    """bf16, compiled: 2 ranks sharing one GPU (scripts/tp_parts_one_gpu.py) compute the logits of 1 rank to the
-    bit, on the 31B shape cut to its first sliding and global layers."""
+def check_parts_script(tmp_path, *flags: str) -> None:
+    """scripts/tp_parts_one_gpu.py with --parts 2 and `flags`: 2 ranks compute the logits and tokens of 1 rank."""
     out = tmp_path / "bits.json"
-    done = subprocess.run([sys.executable, "scripts/tp_parts_one_gpu.py", "--layers", "6", "--parts", "2", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "scripts/tp_parts_one_gpu.py", "--layers", "6", "--parts", "2", "--out",
+                           str(out), *flags], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     one, two = json.loads(out.read_text())["rows"]
     assert (one["devices"], two["devices"]) == (1, 2)
     assert two["logits_digest"] == one["logits_digest"] and two["tokens"] == one["tokens"]
+
+
+def test_the_one_gpu_parts_script_runs_on_the_cpu(tmp_path):
+    """The script itself, at toy sizes of the 31B's layout, eager on the CPU: its GPU test below runs only there."""
+    check_parts_script(tmp_path, "--tiny", "--device", "cpu")
+
+
+@pytest.mark.gpu
+def test_parts_on_one_gpu_two_ranks_compute_one_ranks_bits(tmp_path):
+    """bf16, compiled: 2 ranks sharing one GPU (scripts/tp_parts_one_gpu.py) compute the logits of 1 rank to the
+    bit, on the 31B shape cut to its first sliding and global layers."""
+    check_parts_script(tmp_path)
 
 
 @pytest.mark.gpu
