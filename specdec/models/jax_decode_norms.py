@@ -80,11 +80,11 @@ def _kernel(position, partials_ref, residual_ref, post_ref, next_ref, scale_ref,
 def residual_norms(partials, residual, post_weight, next_weight, scale=None, *, eps: float, weight_offset: float,
                    prefetch=()):
     """`x = residual + norm(product, post_weight)`, times `scale` (Gemma 4's layer scalar [1]) where given, and
-    `norm(x, next_weight)` (None where next_weight is None), both [B, T, H] in residual's dtype, in one kernel. The product comes as the splits of
-    its reduction, `partials` [splits, B, T, H] (float32 where split, else the one product in the model's dtype),
-    added here in order and rounded to the model's dtype, as the product itself is. Norms scale by
-    weight_offset + w, in float32, rounded as jax_gemma._rms_norm rounds. Spare programs read the weights `prefetch`
-    into L2 for the product after this kernel (jax_decode_attention.with_prefetch)."""
+    `norm(x, next_weight)` (None where next_weight is None), both [B, T, H] in residual's dtype, in one kernel. The
+    product comes as the splits of its reduction, `partials` [splits, B, T, H] (float32 where split, else the one
+    product in the model's dtype), added here in order and rounded to the model's dtype, as the product itself is.
+    Norms scale by weight_offset + w, in float32, rounded as jax_gemma._rms_norm rounds. Spare programs read the
+    weights `prefetch` into L2 for the product after this kernel (jax_decode_attention.with_prefetch)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 

@@ -604,10 +604,10 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
     A decode forward that takes jax_decode_norms runs each residual add with the norms around it in one kernel:
     the one after attention, and the layer's last (after down_proj, or after the per-layer projection), which also
     norms x for the next layer where there is one and no MoE block. With per-layer inputs, the add after down_proj
-    runs there too, with no norm after it: the per-layer gate takes x itself. Spare programs of two kernels read weights of
-    up to 8 MB into L2 for the products ahead (jax_decode_attention.prefetched): attention's partials the layer's
-    o_proj, gate/up and down, and the layer's last kernel the next layer's q/k/v. XLA's products wait on entry
-    for the kernel before them, so they cannot load their weights early; from L2 they start sooner (a 270M
+    runs there too, with no norm after it: the per-layer gate takes x itself. Spare programs of two kernels read
+    weights of up to 8 MB into L2 for the products ahead (jax_decode_attention.prefetched): attention's partials the
+    layer's o_proj, gate/up and down, and the layer's last kernel the next layer's q/k/v. XLA's products wait on
+    entry for the kernel before them, so they cannot load their weights early; from L2 they start sooner (a 270M
     cycle 2.8% shorter on an H200, docs/benchmarks.md)."""
     p = f"layers.{spec.index}."
     norm = lambda name, v: _rms_norm(v, params[p + name + ".weight"], cfg)  # noqa: E731
