@@ -630,11 +630,10 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
         h = norm("pre_feedforward_layernorm", x)
     residual = x
     if closes:
-        down = _mlp(params, p + "mlp.", h, split=True)
+        down, post_norm = _mlp(params, p + "mlp.", h, split=True), params[p + "post_feedforward_layernorm.weight"]
         if not cfg.has_per_layer_inputs:
-            return residual_norms(down, residual, params[p + "post_feedforward_layernorm.weight"], next_norm, scale,
-                                  prefetch=_read_ahead(*next_weights))
-        x, _ = residual_norms(down, residual, params[p + "post_feedforward_layernorm.weight"], None)
+            return residual_norms(down, residual, post_norm, next_norm, scale, prefetch=_read_ahead(*next_weights))
+        x, _ = residual_norms(down, residual, post_norm, None)
     else:
         h = _mlp(params, p + "mlp.", h, parts)
         if cfg.enable_moe_block:
