@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec.models import jax_decode_attention, jax_decode_norms
+from specdec.models import jax_decode_attention, jax_decode_mlp, jax_decode_norms
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
 from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq, vocab_rows
 from specdec.models.decode_plan import reduction_splits
@@ -553,12 +553,17 @@ def _attend(cfg: GemmaConfig, q, kv: list, mask):
 # -- feed-forward -----------------------------------------------------------------------------------------
 
 
-def _mlp(params: Params, prefix: str, x, parts: Parts | None = None, split: bool = False):
-    """down_proj's product, or with `split` the slices of its reduction (_split_product), gate/up's then split too."""
-    hidden = []
-    for part in range(parts.local if parts else 1):
-        gate, up = _project(params, prefix, PACKS["mlp."], x, parts=parts, part=part, split=split)
-        hidden.append(_gelu(gate) * up)
+def _mlp(params: Params, prefix: str, x, parts: Parts | None = None, split: bool = False, kernels: bool = False):
+    """down_proj's product, or with `split` the slices of its reduction (_split_product), gate/up's then split too.
+    `kernels` (a decode forward's): gate/up and its GELU in one kernel where jax_decode_mlp takes the weight."""
+    packed = params.get(packed_name(prefix, PACKS["mlp."]))
+    if kernels and jax_decode_mlp.takes(packed, x.dtype):
+        hidden = [jax_decode_mlp.gated(x, packed)]
+    else:
+        hidden = []
+        for part in range(parts.local if parts else 1):
+            gate, up = _project(params, prefix, PACKS["mlp."], x, parts=parts, part=part, split=split)
+            hidden.append(_gelu(gate) * up)
     if split:
         return _split_product(hidden[0], params[prefix + "down_proj.weight"])
     return _row_parallel(params, prefix + "down_proj.weight", hidden, parts)
@@ -604,7 +609,8 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
     A decode forward that takes jax_decode_norms runs each residual add with the norms around it in one kernel:
     the one after attention, and the layer's last (after down_proj, or after the per-layer projection), which also
     norms x for the next layer where there is one and no MoE block. With per-layer inputs, the add after down_proj
-    runs there too, with no norm after it: the per-layer gate takes x itself. Spare programs of two kernels read
+    runs there too, with no norm after it: the per-layer gate takes x itself. Gate/up and its GELU run as one kernel
+    (jax_decode_mlp) where it takes the weight, the last layer's too. Spare programs of two kernels read
     weights of up to 8 MB into L2 for the products ahead (jax_decode_attention.prefetched): attention's partials the
     layer's o_proj, gate/up and down, and the layer's last kernel the next layer's q/k/v. XLA's products wait on
     entry for the kernel before them, so they cannot load their weights early; from L2 they start sooner (a 270M
@@ -630,12 +636,13 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
         h = norm("pre_feedforward_layernorm", x)
     residual = x
     if closes:
-        down, post_norm = _mlp(params, p + "mlp.", h, split=True), params[p + "post_feedforward_layernorm.weight"]
+        down = _mlp(params, p + "mlp.", h, split=True, kernels=True)
+        post_norm = params[p + "post_feedforward_layernorm.weight"]
         if not cfg.has_per_layer_inputs:
             return residual_norms(down, residual, post_norm, next_norm, scale, prefetch=_read_ahead(*next_weights))
         x, _ = residual_norms(down, residual, post_norm, None)
     else:
-        h = _mlp(params, p + "mlp.", h, parts)
+        h = _mlp(params, p + "mlp.", h, parts, kernels=kernel)
         if cfg.enable_moe_block:
             flat = residual.reshape(-1, residual.shape[-1])
             weights, index = _route(params, cfg, p, flat)

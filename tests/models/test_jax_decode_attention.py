@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec.models import jax_decode_attention, jax_decode_norms
+from specdec.models import jax_decode_attention, jax_decode_mlp, jax_decode_norms
 from specdec.models.jax_gemma import _apply_rope, _rms_norm, _rope_cos_sin
 from specdec.models.random_init import write_random_checkpoint
 from specdec.verifiers.jax_engine import JaxEngine
@@ -300,6 +300,12 @@ def norms_calls(monkeypatch) -> list:
 
 
 @pytest.fixture
+def gated_calls(monkeypatch) -> list:
+    """The features of the feed-forwards traced through jax_decode_mlp's gate/up and GELU kernel."""
+    return recorded_calls(monkeypatch, jax_decode_mlp, "gated", lambda args, _: args[1].shape[0] // 2)
+
+
+@pytest.fixture
 def prefetch_calls(monkeypatch) -> dict:
     """How many weights each residual add and attention partials kernel traced reads ahead into L2, by kernel."""
     return {name: recorded_calls(monkeypatch, module, name, lambda _, kwargs: len(kwargs.get("prefetch", ())))
@@ -308,7 +314,7 @@ def prefetch_calls(monkeypatch) -> dict:
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_e"])
 def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, variant, inputs_calls, norms_calls,
-                                                                      prefetch_calls):
+                                                                      gated_calls, prefetch_calls):
     """Greedy plain decode through every kernel (interpreted, fp32) emits the XLA layers' tokens, and speculative
     decoding in the fused loop the plain decode's. A hidden size of 128 splits the projections' reduction in two
     (reduction_splits), which the kernels add; gemma4_e's KV-shared layers take the inputs kernel for q alone.
@@ -320,7 +326,7 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v
     (not q alone, as gemma4_e's KV-shared layers have it: less than a block); by the last layer's, nothing."""
     path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128)
-    reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls,
+    reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls, gated_calls,
                                                                     *prefetch_calls.values())
     assert {splits for splits, _ in inputs_calls} == {2}
     assert {writes for _, writes in inputs_calls} == ({True, False} if variant == "gemma4_e" else {True})
@@ -328,6 +334,7 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     assert set(norms_calls) == {(1, False, True), (2, False, True)} | per_layer_inputs
     assert set(prefetch_calls["partials"]) == {0, 2} | ({3} if variant == "gemma4_e" else set())  # 3: with o_proj
     assert set(prefetch_calls["residual_norms"]) == {0, 1}
+    assert set(gated_calls) == ({128, 256} if variant == "gemma4_e" else {128})  # every layer's, the last's too
     assert plain == reference
     assert speculative == plain
 

@@ -1,0 +1,89 @@
+"""A JAX decode forward's gate/up product with its GELU as one Pallas kernel (Triton on GPUs).
+
+XLA ran a decode forward's feed-forward after its norm as three kernels: gate/up's product, a loop fusion applying
+gelu_tanh(gate) * up (1.4 us a layer on the 270M, 1.5 on E4B, H200), and down's product. gated() runs the first two
+as one: a program takes BLOCK_COLUMNS features of gate and the same features of up, reduces whole rows of both
+weights against the rows of x, and applies the GELU to its own outputs. On E4B it moves the weight at XLA's GEMM's
+rate, so the GELU's kernel is what it saves; on the 31B's 462 MB weight it ran 4% slower than XLA's GEMM, which is why
+it takes weights of at most MAX_WEIGHT_BYTES (docs/benchmarks.md).
+
+A program's dot takes BLOCK_ROWS rows, the forward's and masked ones, and what it computes for a row depends on
+that row alone, so a row's bits do not depend on the forward's other rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specdec.models.jax_decode_attention import interpreting, on_device
+
+BLOCK_ROWS = 16  # a Triton dot's rows at least
+# Swept on E4B's and the 270M's layers (H200): 16 or 64 columns, 2, 4 or 5 stages, 2 or 8 warps ran slower
+BLOCK_COLUMNS = 32  # features of gate (and of up) a program: 320 programs on E4B's 10,240, 64 on the 270M's 2,048
+BLOCK_REDUCTION = 128  # the reduction a step, 3 steps in flight
+MAX_WEIGHT_BYTES = 128 << 20  # E4B's 105 MB; not the 31B's 462 MB
+
+
+def takes(weight, dtype) -> bool:
+    """Whether a decode forward's gate/up with the packed `weight` [2 x features, hidden] runs here: bf16/fp16 on a GPU
+    with Pallas's Triton backend (or interpreted()), at most MAX_WEIGHT_BYTES, and whole blocks of features and of the
+    reduction."""
+    if getattr(weight, "ndim", None) != 2:  # gate and up unpacked (None) or FP8 (values and scales): XLA's path
+        return False
+    features, hidden = weight.shape[0] // 2, weight.shape[1]
+    return (on_device(dtype) and weight.size * weight.dtype.itemsize <= MAX_WEIGHT_BYTES
+            and features % BLOCK_COLUMNS == 0 and hidden % BLOCK_REDUCTION == 0)
+
+
+def _kernel(x_ref, weight_ref, out_ref, *, rows: int, features: int, steps: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    block, row_block = pl.program_id(0), pl.program_id(1)
+    first_row = row_block * BLOCK_ROWS
+    live = (first_row + jnp.arange(BLOCK_ROWS) < rows)[:, None]
+    row_slice = pl.ds(first_row, BLOCK_ROWS)
+    gate_rows, up_rows = pl.ds(block * BLOCK_COLUMNS, BLOCK_COLUMNS), pl.ds(features + block * BLOCK_COLUMNS,
+                                                                            BLOCK_COLUMNS)
+
+    def step(i, sums):
+        reduction = pl.ds(i * BLOCK_REDUCTION, BLOCK_REDUCTION)
+        x = plgpu.load(x_ref.at[row_slice, reduction], mask=live, other=0.0)
+        return tuple(total + plgpu.dot(x, weight_ref[part, reduction], trans_b=True)
+                     for total, part in zip(sums, (gate_rows, up_rows)))
+
+    zeros = jnp.zeros((BLOCK_ROWS, BLOCK_COLUMNS), jnp.float32)
+    gate, up = jax.lax.fori_loop(0, steps, step, (zeros, zeros))
+    dtype = out_ref.dtype
+
+    def rounded(value):  # to the model's dtype where the layer rounds (each product, the GELU, the product of both)
+        return value.astype(dtype).astype(jnp.float32)
+
+    hidden = rounded(rounded(jax.nn.gelu(rounded(gate), approximate=True)) * rounded(up))
+    plgpu.store(out_ref.at[row_slice, pl.ds(block * BLOCK_COLUMNS, BLOCK_COLUMNS)], hidden.astype(dtype), mask=live)
+
+
+def gated(x, weight):
+    """gelu_tanh(gate) * up for x [B, T, hidden] and gate/up's packed weight [2 x features, hidden] (gate's rows, then
+    up's): [B, T, features] in x's dtype, each product rounded to it as jax_gemma._linear's is, then the GELU, then
+    their product, as jax_gemma._mlp rounds. The reduction is a program's own, in steps of BLOCK_REDUCTION."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    B, T, hidden = x.shape
+    rows, features = B * T, weight.shape[0] // 2
+    kernel = functools.partial(_kernel, rows=rows, features=features, steps=hidden // BLOCK_REDUCTION)
+    out = pl.pallas_call(
+        kernel,
+        grid=(features // BLOCK_COLUMNS, -(-rows // BLOCK_ROWS)),
+        in_specs=[pl.no_block_spec, pl.no_block_spec],
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((rows, features), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpreting(),
+        name="decode_gated",
+    )(x.reshape(rows, hidden), weight)
+    return out.reshape(B, T, features)

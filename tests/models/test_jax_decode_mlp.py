@@ -1,0 +1,94 @@
+"""jax_decode_mlp: the gate/up and GELU kernel, run by Pallas's interpreter on the CPU, against the layer's own XLA path
+and a row independent of the others; on a GPU, compiled in bf16 against float64. The engine with it is tested with
+every kernel in test_jax_decode_attention.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specdec.models import jax_decode_mlp
+from specdec.models.jax_fp8 import quantize
+from specdec.models.jax_gemma import _gelu, _linear
+from tests.models.test_jax_decode_attention import in_float32, jax_gpu
+
+SHAPES = {  # batch, tokens, hidden, features of gate (and of up)
+    "270m": (1, 8, 640, 2048),
+    "batch 2: one block of rows": (2, 8, 256, 64),
+    "e4b": (1, 8, 2560, 10240),
+    "20 rows: two blocks, the second masked": (1, 20, 128, 32),
+    "test model": (1, 8, 128, 128),
+}
+
+
+def case(shape, seed: int, dtype):
+    """x and gate/up's packed weight (gate's rows, then up's)."""
+    batch, tokens, hidden, features = shape
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((batch, tokens, hidden)), dtype)
+    weight = jnp.asarray(rng.standard_normal((2 * features, hidden)) / np.sqrt(hidden), dtype)
+    return x, weight
+
+
+def xla_gated(x, weight):
+    """What jax_gemma's feed-forward computes without the kernel: gate/up's product, then gelu_tanh(gate) * up."""
+    gate, up = jnp.split(_linear(x, weight), 2, axis=-1)
+    return _gelu(gate) * up
+
+
+def gated(x, weight):
+    return jax.jit(jax_decode_mlp.gated)(x, weight)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_kernel_computes_what_the_layer_computes_without_it(name):
+    x, weight = case(SHAPES[name], seed=1, dtype=jnp.float32)
+    with in_float32():
+        ours = gated(x, weight)
+    theirs = jax.jit(xla_gated)(x, weight)
+    assert ours.shape == theirs.shape == (*x.shape[:2], weight.shape[0] // 2)
+    assert np.abs(np.asarray(ours) - np.asarray(theirs)).max() < 1e-5 * np.abs(np.asarray(theirs)).max()
+
+
+def test_a_rows_output_depends_on_its_own_row_alone():
+    """Other rows changed (the second block's masked rows among them), a row's outputs keep their bits."""
+    x, weight = case(SHAPES["20 rows: two blocks, the second masked"], seed=2, dtype=jnp.float32)
+    other = x.at[:, 1:].set(x[:, 1:] * -3 + 1)
+    with in_float32():
+        first, second = gated(x, weight), gated(other, weight)
+    np.testing.assert_array_equal(np.asarray(first[:, 0]), np.asarray(second[:, 0]))
+    assert not np.array_equal(np.asarray(first[:, 1:]), np.asarray(second[:, 1:]))
+
+
+def test_what_the_kernel_does_not_take():
+    def weight(features: int, hidden: int):  # gate/up's packed weight, its shape
+        return jax.ShapeDtypeStruct((2 * features, hidden), jnp.bfloat16)
+
+    with in_float32():
+        assert jax_decode_mlp.takes(weight(2048, 640), jnp.bfloat16)  # the 270M's 5 MB
+        assert jax_decode_mlp.takes(weight(10240, 2560), jnp.bfloat16)  # E4B's 105 MB
+        assert not jax_decode_mlp.takes(weight(21504, 5376), jnp.bfloat16)  # the 31B's 462 MB
+        assert not jax_decode_mlp.takes(weight(48, 128), jnp.bfloat16)  # 48 features
+        assert not jax_decode_mlp.takes(weight(64, 96), jnp.bfloat16)  # a reduction of 96
+        assert not jax_decode_mlp.takes(quantize(jnp.ones((2 * 64, 128), jnp.float32)), jnp.bfloat16)  # FP8
+        assert not jax_decode_mlp.takes(None, jnp.bfloat16)  # gate and up unpacked
+    if jax.default_backend() != "gpu":
+        assert not jax_decode_mlp.takes(weight(64, 128), jnp.bfloat16)  # compiled on GPUs alone
+
+
+@pytest.mark.gpu
+@jax_gpu
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_compiled_kernel_in_bf16_against_float64(name):
+    """Within two bf16 steps of the largest exact value, as XLA's feed-forward in bf16 is (the products, the GELU
+    and their product each round); and a row's bits are its own, whatever the other rows hold."""
+    x, weight = case(SHAPES[name], seed=3, dtype=jnp.bfloat16)
+    x64, w64 = (np.asarray(t, np.float64) for t in (x, weight))
+    gate, up = np.split(x64 @ w64.T, 2, axis=-1)
+    exact = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3))) * up
+    tolerance = np.abs(exact).max() * 2.0**-6
+    ours, xla = np.asarray(gated(x, weight), np.float64), np.asarray(jax.jit(xla_gated)(x, weight), np.float64)
+    assert np.abs(xla - exact).max() < tolerance
+    assert np.abs(ours - exact).max() < tolerance
+    other = np.asarray(gated(x.at[:, 1:].set(-x[:, 1:]), weight), np.float64)
+    np.testing.assert_array_equal(ours[:, 0], other[:, 0])
