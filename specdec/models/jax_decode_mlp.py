@@ -8,7 +8,8 @@ rate, so the GELU's kernel is what it saves. The 31B's 462 MB weight XLA moves a
 kernel took 122 us against XLA's 110, which is why it takes weights of at most MAX_WEIGHT_BYTES (docs/benchmarks.md).
 
 A program's dot takes BLOCK_ROWS rows, the forward's and masked ones, and what it computes for a row depends on
-that row alone, so a row's bits do not depend on the forward's other rows.
+that row alone, so a row's bits do not depend on the forward's other rows. Forwards of more rows (batches of more than
+two at generate's width) keep XLA's path: the kernel would read its weight once for every block of rows.
 """
 
 from __future__ import annotations
@@ -20,21 +21,21 @@ import jax.numpy as jnp
 
 from specdec.models.jax_decode_attention import interpreting, on_device
 
-BLOCK_ROWS = 16  # a Triton dot's rows at least
-# Swept on E4B's and the 270M's layers (H200): 16 or 64 columns, 2, 4 or 5 stages, 2 or 8 warps ran slower
+BLOCK_ROWS = 16  # a Triton dot's rows at least, and the most a forward may have here
+# Swept on E4B's and the 270M's layers (H200): other columns, stages and warps ran slower (docs/benchmarks.md)
 BLOCK_COLUMNS = 32  # features of gate (and of up) a program: 320 programs on E4B's 10,240, 64 on the 270M's 2,048
 BLOCK_REDUCTION = 128  # the reduction a step, 3 steps in flight
 MAX_WEIGHT_BYTES = 128 << 20  # E4B's 105 MB; not the 31B's 462 MB
 
 
-def takes(weight, dtype) -> bool:
-    """Whether a decode forward's gate/up with the packed `weight` [2 x features, hidden] runs here: bf16/fp16 on a GPU
-    with Pallas's Triton backend (or interpreted()), at most MAX_WEIGHT_BYTES, and whole blocks of features and of the
-    reduction."""
+def takes(weight, rows: int, dtype) -> bool:
+    """Whether a decode forward of `rows` rows runs its gate/up with the packed `weight` [2 x features, hidden] here:
+    bf16/fp16 on a GPU with Pallas's Triton backend (or interpreted()), at most BLOCK_ROWS rows and MAX_WEIGHT_BYTES,
+    and whole blocks of features and of the reduction."""
     if getattr(weight, "ndim", None) != 2:  # gate and up unpacked (None) or FP8 (values and scales): XLA's path
         return False
     features, hidden = weight.shape[0] // 2, weight.shape[1]
-    return (on_device(dtype) and weight.size * weight.dtype.itemsize <= MAX_WEIGHT_BYTES
+    return (on_device(dtype) and rows <= BLOCK_ROWS and weight.size * weight.dtype.itemsize <= MAX_WEIGHT_BYTES
             and features % BLOCK_COLUMNS == 0 and hidden % BLOCK_REDUCTION == 0)
 
 
@@ -42,10 +43,8 @@ def _kernel(x_ref, weight_ref, out_ref, *, rows: int, features: int, steps: int)
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    block, row_block = pl.program_id(0), pl.program_id(1)
-    first_row = row_block * BLOCK_ROWS
-    live = (first_row + jnp.arange(BLOCK_ROWS) < rows)[:, None]
-    row_slice = pl.ds(first_row, BLOCK_ROWS)
+    block = pl.program_id(0)
+    live, row_slice = (jnp.arange(BLOCK_ROWS) < rows)[:, None], pl.ds(0, BLOCK_ROWS)
     gate_rows, up_rows = pl.ds(block * BLOCK_COLUMNS, BLOCK_COLUMNS), pl.ds(features + block * BLOCK_COLUMNS,
                                                                             BLOCK_COLUMNS)
 
@@ -67,9 +66,10 @@ def _kernel(x_ref, weight_ref, out_ref, *, rows: int, features: int, steps: int)
 
 
 def gated(x, weight):
-    """gelu_tanh(gate) * up for x [B, T, hidden] and gate/up's packed weight [2 x features, hidden] (gate's rows, then
-    up's): [B, T, features] in x's dtype, each product rounded to it as jax_gemma._linear's is, then the GELU, then
-    their product, as jax_gemma._mlp rounds. The reduction is a program's own, in steps of BLOCK_REDUCTION."""
+    """gelu_tanh(gate) * up for x [B, T, hidden] (B x T rows, at most BLOCK_ROWS) and gate/up's packed weight
+    [2 x features, hidden] (gate's rows, then up's): [B, T, features] in x's dtype, each product rounded to it as
+    jax_gemma._linear's is, then the GELU, then their product, as jax_gemma._mlp rounds. The reduction is a program's
+    own, in steps of BLOCK_REDUCTION."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -78,7 +78,7 @@ def gated(x, weight):
     kernel = functools.partial(_kernel, rows=rows, features=features, steps=hidden // BLOCK_REDUCTION)
     out = pl.pallas_call(
         kernel,
-        grid=(features // BLOCK_COLUMNS, -(-rows // BLOCK_ROWS)),
+        grid=(features // BLOCK_COLUMNS,),
         in_specs=[pl.no_block_spec, pl.no_block_spec],
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((rows, features), x.dtype),

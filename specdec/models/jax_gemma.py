@@ -557,7 +557,7 @@ def _mlp(params: Params, prefix: str, x, parts: Parts | None = None, split: bool
     """down_proj's product, or with `split` the slices of its reduction (_split_product), gate/up's then split too.
     `kernels` (a decode forward's): gate/up and its GELU in one kernel where jax_decode_mlp takes the weight."""
     packed = params.get(packed_name(prefix, PACKS["mlp."]))
-    if kernels and jax_decode_mlp.takes(packed, x.dtype):
+    if kernels and jax_decode_mlp.takes(packed, x.shape[0] * x.shape[1], x.dtype):
         hidden = [jax_decode_mlp.gated(x, packed)]
     else:
         hidden = []

@@ -324,7 +324,8 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     gemma4_e's add after down_proj (two slices, four on its KV-shared layers' double-wide MLP), with no norm after it.
     Read ahead into L2: by attention's partials, gate/up, down and o_proj where it is a whole block (gemma4_e's full
     layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v
-    (not q alone, as gemma4_e's KV-shared layers have it: less than a block); by the last layer's, nothing."""
+    (not q alone, as gemma4_e's KV-shared layers have it: less than a block); by the last layer's, nothing.
+    Gate/up with its GELU in jax_decode_mlp's kernel: 128 features, 256 on gemma4_e's double-wide MLP."""
     path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128)
     reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls, gated_calls,
                                                                     *prefetch_calls.values())
@@ -334,7 +335,7 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     assert set(norms_calls) == {(1, False, True), (2, False, True)} | per_layer_inputs
     assert set(prefetch_calls["partials"]) == {0, 2} | ({3} if variant == "gemma4_e" else set())  # 3: with o_proj
     assert set(prefetch_calls["residual_norms"]) == {0, 1}
-    assert set(gated_calls) == ({128, 256} if variant == "gemma4_e" else {128})  # every layer's, the last's too
+    assert set(gated_calls) == ({128, 256} if variant == "gemma4_e" else {128})
     assert plain == reference
     assert speculative == plain
 
