@@ -162,11 +162,17 @@ def with_prefetch(kernel, grid: tuple[int, ...], in_specs: list, out_specs: list
             [*out_shape, jax.ShapeDtypeStruct((extra * inner,), jnp.float32)], weights)
 
 
+def rounded(value, dtype):
+    """value rounded to the model's `dtype` where the layer rounds, and on in float32 (in the kernels here, in
+    jax_decode_norms' and in jax_decode_mlp's)."""
+    return value.astype(dtype).astype(jnp.float32)
+
+
 def summed_splits(load, splits: int, dtype):
     """The float32 products `load(s)` of a reduction's splits s (in a kernel, or arrays outside one), added in order
     and rounded as one product in the model's `dtype` is, on in float32."""
-    return functools.reduce(lambda total, s: total + load(s).astype(jnp.float32), range(1, splits),
-                            load(0).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+    return rounded(functools.reduce(lambda total, s: total + load(s).astype(jnp.float32), range(1, splits),
+                                    load(0).astype(jnp.float32)), dtype)
 
 
 def takes_inputs(q_heads: int, kv_heads: int, head_dim: int, dtype) -> bool:
@@ -204,7 +210,7 @@ def _inputs_kernel(proj_ref, q_weight_ref, k_weight_ref, cos_ref, sin_ref, slot_
         if weight_ref is not None:
             x1, x2 = (x * (weight_offset + weight_ref[h].astype(jnp.float32))[None, :]
                       for x, h in zip((x1, x2), halves))
-        return x1.astype(dtype).astype(jnp.float32), x2.astype(dtype).astype(jnp.float32)
+        return rounded(x1, dtype), rounded(x2, dtype)
 
     def rotated(x1, x2):  # RoPE's rotate-half: the first half pairs with the second
         return (x1 * cos1 - x2 * sin1).astype(dtype), (x2 * cos2 + x1 * sin2).astype(dtype)

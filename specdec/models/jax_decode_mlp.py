@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specdec.models.jax_decode_attention import interpreting, on_device
+from specdec.models.jax_decode_attention import interpreting, on_device, rounded
 
 BLOCK_ROWS = 16  # a Triton dot's rows at least, and the most a forward may have here
 # Swept on E4B's and the 270M's layers (H200): other columns, stages and warps ran slower (docs/benchmarks.md)
@@ -58,10 +58,9 @@ def _kernel(x_ref, weight_ref, out_ref, *, rows: int, features: int, steps: int)
     gate, up = jax.lax.fori_loop(0, steps, step, (zeros, zeros))
     dtype = out_ref.dtype
 
-    def rounded(value):  # to the model's dtype where the layer rounds (each product, the GELU, the product of both)
-        return value.astype(dtype).astype(jnp.float32)
-
-    hidden = rounded(rounded(jax.nn.gelu(rounded(gate), approximate=True)) * rounded(up))
+    # rounded where the layer rounds: each product, the GELU, the product of both
+    gelu = rounded(jax.nn.gelu(rounded(gate, dtype), approximate=True), dtype)
+    hidden = rounded(gelu * rounded(up, dtype), dtype)
     plgpu.store(out_ref.at[row_slice, pl.ds(block * BLOCK_COLUMNS, BLOCK_COLUMNS)], hidden.astype(dtype), mask=live)
 
 

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specdec.models.jax_decode_attention import (interpreting, launch_dependents, on_device, summed_splits,
+from specdec.models.jax_decode_attention import (interpreting, launch_dependents, on_device, rounded, summed_splits,
                                                  with_prefetch)
 
 
@@ -53,22 +53,19 @@ def _kernel(position, partials_ref, residual_ref, post_ref, next_ref, scale_ref,
     row, dtype = position[0], x_ref.dtype
     columns = [pl.ds(start, size) for start, size in runs(hidden)]
 
-    def rounded(value):  # to the model's dtype where the layer rounds, and on in float32
-        return value.astype(dtype).astype(jnp.float32)
-
     def normed(parts, weight_ref):
         """parts through the RMS norm with weight_ref (times weight_offset + w), as jax_gemma._rms_norm rounds."""
         scale = jax.lax.rsqrt(sum(jnp.sum(part * part) for part in parts) * (1.0 / hidden) + eps)
-        return [rounded(part * scale * (weight_offset + weight_ref[c].astype(jnp.float32)))
+        return [rounded(part * scale * (weight_offset + weight_ref[c].astype(jnp.float32)), dtype)
                 for part, c in zip(parts, columns)]
 
     products = [summed_splits(lambda s: partials_ref[s, row, c], partials_ref.shape[0], dtype)
                 for c in columns]
     products[0] = launch_dependents(products[0])  # the next product (gate/up or q/k/v) launches while this norms
-    x = [rounded(residual_ref[row, c].astype(jnp.float32) + post)
+    x = [rounded(residual_ref[row, c].astype(jnp.float32) + post, dtype)
          for post, c in zip(normed(products, post_ref), columns)]
     if scaled:  # Gemma 4's layer scalar
-        x = [rounded(part * scale_ref[0].astype(jnp.float32)) for part in x]
+        x = [rounded(part * scale_ref[0].astype(jnp.float32), dtype) for part in x]
     for part, c in zip(x, columns):
         x_ref[row, c] = part.astype(dtype)
     if normed_ref is None:
