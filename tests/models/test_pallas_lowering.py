@@ -1,0 +1,74 @@
+"""The Pallas kernels lower to Triton for CUDA on any machine, the CPU too (jax.export for the "cuda" platform runs
+Pallas's Triton lowering without a GPU). A primitive Pallas's Triton lowering lacks (a slice of a value, say) fails
+here, in CI, not on the device; what Triton's own compiler does with the kernel after that runs on a GPU alone."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from specdec.models import jax_decode_attention, jax_decode_mlp, jax_decode_norms
+from tests.models import test_jax_decode_attention as attention
+from tests.models import test_jax_decode_mlp as mlp
+from tests.models import test_jax_decode_norms as norms
+
+TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call that carries a Triton kernel
+
+
+def triton_kernels_for_cuda(fn, *args) -> int:
+    """How many Triton kernels fn(*args) lowers to for CUDA (a lowering error raises)."""
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+    return exported.mlir_module().count(f"@{TRITON_CALL}(")
+
+
+def weights_to_prefetch():
+    return (jnp.ones((4, jax_decode_attention.PREFETCH_BLOCK), jnp.bfloat16),)
+
+
+def attention_case(name):
+    args = attention.case(attention.SHAPES[name], seed=1, dtype=jnp.bfloat16)
+    return lambda *a: jax_decode_attention.attend(*a, 0.0625, prefetch=weights_to_prefetch()), args
+
+
+def inputs_case(name):
+    shape = attention.INPUT_SHAPES[name]
+    _, _, q_heads, kv_heads, _, _, gemma4, _ = shape
+    cfg = attention.norm_config(gemma4)
+    fn = functools.partial(jax_decode_attention.inputs, q_heads=q_heads, kv_heads=kv_heads, eps=cfg.rms_norm_eps,
+                           weight_offset=cfg.norm_weight_offset, v_norm=gemma4, dtype=jnp.bfloat16)
+    return fn, attention.inputs_case(shape, seed=1, dtype=jnp.bfloat16)
+
+
+def norms_case(name):
+    args = norms.case(norms.SHAPES[name], seed=1, dtype=jnp.bfloat16)
+    cfg = attention.norm_config(gemma4=args[4] is not None)
+    return functools.partial(jax_decode_norms.residual_norms, eps=cfg.rms_norm_eps,
+                             weight_offset=cfg.norm_weight_offset, prefetch=weights_to_prefetch()), args
+
+
+def gated_case(name):
+    return jax_decode_mlp.gated, mlp.case(mlp.SHAPES[name], seed=1, dtype=jnp.bfloat16)
+
+
+CASES = {  # kernel and shape -> (the function and its arguments, its Triton kernels)
+    "attention: 270m sliding": (functools.partial(attention_case, "270m sliding"), 2),
+    "attention: 31b ring": (functools.partial(attention_case, "31b ring: whole heads"), 2),
+    "inputs: e4b sliding": (functools.partial(inputs_case, "e4b sliding"), 1),
+    "inputs: kv-shared": (functools.partial(inputs_case, "kv-shared: q alone"), 1),
+    "residual norms: 270m": (functools.partial(norms_case, "270m"), 1),
+    "residual norms: 31b, batch 2": (functools.partial(norms_case, "31b, batch 2: three runs"), 1),
+    "gate/up and GELU: e4b": (functools.partial(gated_case, "e4b"), 1),
+    "gate/up and GELU: 12 rows": (functools.partial(gated_case, "12 rows: 4 masked"), 1),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("hopper", [False, True])
+def test_the_kernel_lowers_to_triton_for_cuda(name, hopper, monkeypatch):
+    """On Hopper GPUs the kernels trigger their dependents' launch with inline PTX: lowered both ways."""
+    monkeypatch.setattr(jax_decode_attention, "triggers_dependents", lambda: hopper)
+    make, kernels = CASES[name]
+    fn, args = make()
+    assert triton_kernels_for_cuda(fn, *args) == kernels
