@@ -16,11 +16,11 @@ from tests.models import test_jax_decode_norms as norms
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call that carries a Triton kernel
 
 
-def triton_kernels_for_cuda(fn, *args) -> int:
-    """How many Triton kernels fn(*args) lowers to for CUDA (a lowering error raises)."""
+def lowered_for_cuda(fn, *args) -> str:
+    """fn(*args) lowered for CUDA, as MLIR text with its Triton kernels inside (a lowering error raises)."""
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
                                  disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
-    return exported.mlir_module().count(f"@{TRITON_CALL}(")
+    return exported.mlir_module()
 
 
 def weights_to_prefetch():
@@ -52,23 +52,26 @@ def gated_case(name):
     return jax_decode_mlp.gated, mlp.case(mlp.SHAPES[name], seed=1, dtype=jnp.bfloat16)
 
 
-CASES = {  # kernel and shape -> (the function and its arguments, its Triton kernels)
-    "attention: 270m sliding": (functools.partial(attention_case, "270m sliding"), 2),
-    "attention: 31b ring": (functools.partial(attention_case, "31b ring: whole heads"), 2),
-    "inputs: e4b sliding": (functools.partial(inputs_case, "e4b sliding"), 1),
-    "inputs: kv-shared": (functools.partial(inputs_case, "kv-shared: q alone"), 1),
-    "residual norms: 270m": (functools.partial(norms_case, "270m"), 1),
-    "residual norms: 31b, batch 2": (functools.partial(norms_case, "31b, batch 2: three runs"), 1),
-    "gate/up and GELU: e4b": (functools.partial(gated_case, "e4b"), 1),
-    "gate/up and GELU: 12 rows": (functools.partial(gated_case, "12 rows: 4 masked"), 1),
+CASES = {  # kernel and shape -> (the function and its arguments, its Triton kernels, whether it triggers on Hopper)
+    "attention: 270m sliding": (functools.partial(attention_case, "270m sliding"), 2, False),
+    "attention: 31b ring": (functools.partial(attention_case, "31b ring: whole heads"), 2, False),
+    "inputs: e4b sliding": (functools.partial(inputs_case, "e4b sliding"), 1, False),
+    "inputs: kv-shared": (functools.partial(inputs_case, "kv-shared: q alone"), 1, False),
+    "residual norms: 270m": (functools.partial(norms_case, "270m"), 1, True),
+    "residual norms: 31b, batch 2": (functools.partial(norms_case, "31b, batch 2: three runs"), 1, True),
+    "gate/up and GELU: e4b": (functools.partial(gated_case, "e4b"), 1, False),
+    "gate/up and GELU: 12 rows": (functools.partial(gated_case, "12 rows: 4 masked"), 1, False),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("hopper", [False, True])
 def test_the_kernel_lowers_to_triton_for_cuda(name, hopper, monkeypatch):
-    """On Hopper GPUs the kernels trigger their dependents' launch with inline PTX: lowered both ways."""
+    """As many Triton kernels as the function launches; on Hopper GPUs the residual-add kernel triggers its
+    dependents' launch with inline PTX (griddepcontrol), lowered both ways."""
     monkeypatch.setattr(jax_decode_attention, "triggers_dependents", lambda: hopper)
-    make, kernels = CASES[name]
+    make, kernels, triggers = CASES[name]
     fn, args = make()
-    assert triton_kernels_for_cuda(fn, *args) == kernels
+    module = lowered_for_cuda(fn, *args)
+    assert module.count(f"@{TRITON_CALL}(") == kernels
+    assert ("griddepcontrol" in module) == (hopper and triggers)
