@@ -232,12 +232,18 @@ def xla_inputs(partials, q_weight, k_weight, cos, sin, slots, keys, values, *, q
     return q, keys.at[rows, :, slots].set(k), values.at[rows, :, slots].set(v)
 
 
-def run_inputs(args, shape, kernel=True):
+def inputs_kernel(shape, dtype):
+    """jax_decode_attention.inputs for a case of `shape` in `dtype`."""
     _, _, q_heads, kv_heads, _, _, gemma4, _ = shape
     cfg = norm_config(gemma4)
-    fn = functools.partial(jax_decode_attention.inputs, q_heads=q_heads, kv_heads=kv_heads, eps=cfg.rms_norm_eps,
-                           weight_offset=cfg.norm_weight_offset, v_norm=gemma4, dtype=args[3].dtype) if kernel else \
-        functools.partial(xla_inputs, q_heads=q_heads, gemma4=gemma4)
+    return functools.partial(jax_decode_attention.inputs, q_heads=q_heads, kv_heads=kv_heads, eps=cfg.rms_norm_eps,
+                             weight_offset=cfg.norm_weight_offset, v_norm=gemma4, dtype=dtype)
+
+
+def run_inputs(args, shape, kernel=True):
+    _, _, q_heads, _, _, _, gemma4, _ = shape
+    fn = inputs_kernel(shape, args[3].dtype) if kernel else functools.partial(xla_inputs, q_heads=q_heads,
+                                                                               gemma4=gemma4)
     return jax.jit(fn)(*args)
 
 

@@ -45,11 +45,15 @@ def xla_residual_norms(partials, residual, post, after, scale):
     return x, _rms_norm(x, after, cfg)
 
 
-def run(args, kernel=True, prefetch=()):
+def residual_norms_kernel(args, prefetch=()):
+    """jax_decode_norms.residual_norms for a case's arguments (Gemma 4's where it has a layer scalar)."""
     cfg = norm_config(gemma4=args[4] is not None)
-    fn = functools.partial(jax_decode_norms.residual_norms, eps=cfg.rms_norm_eps, weight_offset=cfg.norm_weight_offset,
-                           prefetch=prefetch) if kernel else xla_residual_norms
-    return jax.jit(fn)(*args)
+    return functools.partial(jax_decode_norms.residual_norms, eps=cfg.rms_norm_eps,
+                             weight_offset=cfg.norm_weight_offset, prefetch=prefetch)
+
+
+def run(args, kernel=True, prefetch=()):
+    return jax.jit(residual_norms_kernel(args, prefetch) if kernel else xla_residual_norms)(*args)
 
 
 def same_bits_with_weights_to_prefetch(args):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from specdec.models import jax_decode_attention, jax_decode_mlp, jax_decode_norms
+from specdec.models import jax_decode_attention, jax_decode_mlp
 from tests.models import test_jax_decode_attention as attention
 from tests.models import test_jax_decode_mlp as mlp
 from tests.models import test_jax_decode_norms as norms
@@ -34,18 +34,12 @@ def attention_case(name):
 
 def inputs_case(name):
     shape = attention.INPUT_SHAPES[name]
-    _, _, q_heads, kv_heads, _, _, gemma4, _ = shape
-    cfg = attention.norm_config(gemma4)
-    fn = functools.partial(jax_decode_attention.inputs, q_heads=q_heads, kv_heads=kv_heads, eps=cfg.rms_norm_eps,
-                           weight_offset=cfg.norm_weight_offset, v_norm=gemma4, dtype=jnp.bfloat16)
-    return fn, attention.inputs_case(shape, seed=1, dtype=jnp.bfloat16)
+    return attention.inputs_kernel(shape, jnp.bfloat16), attention.inputs_case(shape, seed=1, dtype=jnp.bfloat16)
 
 
 def norms_case(name):
     args = norms.case(norms.SHAPES[name], seed=1, dtype=jnp.bfloat16)
-    cfg = attention.norm_config(gemma4=args[4] is not None)
-    return functools.partial(jax_decode_norms.residual_norms, eps=cfg.rms_norm_eps,
-                             weight_offset=cfg.norm_weight_offset, prefetch=weights_to_prefetch()), args
+    return norms.residual_norms_kernel(args, prefetch=weights_to_prefetch()), args
 
 
 def gated_case(name):
