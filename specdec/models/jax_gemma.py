@@ -600,17 +600,19 @@ def _read_ahead(*weights) -> tuple:
         jax.lax.bitcast_convert_type(w.values, jnp.uint8) if isinstance(w, Fp8Weight) else w for w in weights))
 
 
-def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_layer_input, ctx, cache, shared_kv,
+def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_layer, ctx, cache, shared_kv,
                    writes, parts: Parts | None = None, normed=None, next_norm=None, next_weights=()):
-    """-> (x after the layer, x through `next_norm` or None). `normed`: x through this layer's input norm, where
-    the layer before computed it, else None. `next_norm`: the weight of the next layer's input norm, or None.
-    `next_weights`: the next layer's q/k/v weights.
+    """-> (x after the layer, x through `next_norm` or None). `per_layer`: every layer's per-layer inputs [B, T,
+    layers, P] (Gemma 4's E models), else None. `normed`: x through this layer's input norm, where the layer before
+    computed it, else None. `next_norm`: the weight of the next layer's input norm, or None. `next_weights`: the next
+    layer's q/k/v weights.
 
     A decode forward that takes jax_decode_norms runs each residual add with the norms around it in one kernel:
     the one after attention, and the layer's last (after down_proj, or after the per-layer projection), which also
     norms x for the next layer where there is one and no MoE block. With per-layer inputs, the add after down_proj
     runs there too, with no norm after it: the per-layer gate takes x itself. Gate/up and its GELU run as one kernel
-    (jax_decode_mlp) where it takes the weight, the last layer's too. Spare programs of two kernels read
+    (jax_decode_mlp) where it takes the weight, the last layer's too, and so do the per-layer gate, its GELU and its
+    product with the layer's per-layer input. Spare programs of two kernels read
     weights of up to 8 MB into L2 for the products ahead (jax_decode_attention.prefetched): attention's partials the
     layer's o_proj, gate/up and down, and the layer's last kernel the next layer's q/k/v. XLA's products wait on
     entry for the kernel before them, so they cannot load their weights early; from L2 they start sooner (a 270M
@@ -651,7 +653,11 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
             h = norm("post_feedforward_layernorm_1", h) + norm("post_feedforward_layernorm_2", moe_out)
         x = residual + norm("post_feedforward_layernorm", h)
     if cfg.has_per_layer_inputs:
-        gated = _gelu(_linear(x, params[p + "per_layer_input_gate.weight"])) * per_layer_input
+        gate = params[p + "per_layer_input_gate.weight"]
+        if kernel and jax_decode_mlp.takes(gate, x.shape[0] * x.shape[1], x.dtype, per_layer_gate=True):
+            gated = jax_decode_mlp.gated(x, gate, per_layer, spec.index)
+        else:
+            gated = _gelu(_linear(x, gate)) * per_layer[:, :, spec.index]
         if closes:
             return residual_norms(_split_product(gated, params[p + "per_layer_projection.weight"]), x,
                                   params[p + "post_per_layer_input_norm.weight"], next_norm, scale,
@@ -746,11 +752,10 @@ def forward(
     taps = {}
     normed = None  # x through the next layer's input norm, where a layer computed it
     for spec, after in itertools.zip_longest(cfg.layers, cfg.layers[1:]):
-        layer_input = per_layer[:, :, spec.index] if per_layer is not None else None
         next_norm = None if after is None else params[f"layers.{after.index}.input_layernorm.weight"]
         next_weights = () if after is None else _weights(params, f"layers.{after.index}.self_attn.",
                                                          _projections(after))
-        x, normed = _decoder_layer(params, cfg, spec, x, layer_input, ctx, cache, shared_kv, writes, parts, normed,
+        x, normed = _decoder_layer(params, cfg, spec, x, per_layer, ctx, cache, shared_kv, writes, parts, normed,
                                    next_norm, next_weights)
         if spec.index in hidden_layers:
             taps[spec.index] = x

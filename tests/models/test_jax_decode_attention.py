@@ -307,8 +307,10 @@ def norms_calls(monkeypatch) -> list:
 
 @pytest.fixture
 def gated_calls(monkeypatch) -> list:
-    """The features of the feed-forwards traced through jax_decode_mlp's gate/up and GELU kernel."""
-    return recorded_calls(monkeypatch, jax_decode_mlp, "gated", lambda args, _: args[1].shape[0] // 2)
+    """(The features, whether it is a per-layer gate) of the feed-forwards and Gemma 4 per-layer gates traced through
+    jax_decode_mlp's kernel."""
+    return recorded_calls(monkeypatch, jax_decode_mlp, "gated",
+                          lambda args, _: (args[1].shape[0] // (1 if len(args) > 2 else 2), len(args) > 2))
 
 
 @pytest.fixture
@@ -331,8 +333,10 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     Read ahead into L2: by attention's partials, gate/up, down and o_proj where it is a whole block (gemma4_e's full
     layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v
     (not q alone, as gemma4_e's KV-shared layers have it: less than a block); by the last layer's, nothing.
-    Gate/up with its GELU in jax_decode_mlp's kernel: 128 features, 256 on gemma4_e's double-wide MLP."""
-    path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128)
+    Gate/up with its GELU in jax_decode_mlp's kernel: 128 features, 256 on gemma4_e's double-wide MLP; and there
+    gemma4_e's per-layer gates, with per-layer inputs of 16 (a whole block; the variant's own 8 is not)."""
+    per_layer = {"hidden_size_per_layer_input": 16} if variant == "gemma4_e" else {}  # a whole block of the kernel's
+    path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128, **per_layer)
     reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls, gated_calls,
                                                                     *prefetch_calls.values())
     assert {splits for splits, _ in inputs_calls} == {2}
@@ -341,7 +345,7 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     assert set(norms_calls) == {(1, False, True), (2, False, True)} | per_layer_inputs
     assert set(prefetch_calls["partials"]) == {0, 2} | ({3} if variant == "gemma4_e" else set())  # 3: with o_proj
     assert set(prefetch_calls["residual_norms"]) == {0, 1}
-    assert set(gated_calls) == ({128, 256} if variant == "gemma4_e" else {128})
+    assert set(gated_calls) == ({(128, False), (256, False), (16, True)} if variant == "gemma4_e" else {(128, False)})
     assert plain == reference
     assert speculative == plain
 

@@ -96,3 +96,84 @@ def test_the_compiled_kernel_in_bf16_against_float64(name):
     assert np.abs(ours - exact).max() < tolerance
     other = np.asarray(gated(x.at[:, 1:].set(-x[:, 1:]), weight), np.float64)
     np.testing.assert_array_equal(ours[:, 0], other[:, 0])
+
+
+# -- Gemma 4's per-layer gate: gelu_tanh(x gate^T) * the layer's per-layer input ----------------------------------
+
+PER_LAYER_SHAPES = {  # batch, tokens, hidden, per-layer features, layers
+    "e4b": (1, 8, 2560, 256, 42),
+    "batch 2, a reduction of 640": (2, 8, 640, 32, 3),
+    "12 rows: 4 masked": (1, 12, 128, 16, 2),
+}
+
+
+def per_layer_case(shape, seed: int, dtype):
+    """x, the per-layer gate's weight, and every layer's per-layer inputs."""
+    batch, tokens, hidden, features, layers = shape
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((batch, tokens, hidden)), dtype)
+    weight = jnp.asarray(rng.standard_normal((features, hidden)) / np.sqrt(hidden), dtype)
+    per_layer = jnp.asarray(rng.standard_normal((batch, tokens, layers, features)), dtype)
+    return x, weight, per_layer
+
+
+def per_layer_gated(x, weight, per_layer, layer: int, kernel: bool = True):
+    """The kernel, or what jax_gemma's layer computes without it."""
+    if kernel:
+        return jax.jit(lambda *a: jax_decode_mlp.gated(*a, layer))(x, weight, per_layer)
+    return jax.jit(lambda x, w, p: _gelu(_linear(x, w)) * p[:, :, layer])(x, weight, per_layer)
+
+
+@pytest.mark.parametrize("name", list(PER_LAYER_SHAPES))
+def test_the_per_layer_gate_computes_what_the_layer_computes_without_it(name):
+    x, weight, per_layer = per_layer_case(PER_LAYER_SHAPES[name], seed=4, dtype=jnp.float32)
+    layer = per_layer.shape[2] - 1
+    with in_float32():
+        assert jax_decode_mlp.takes(weight, x.shape[0] * x.shape[1], x.dtype, per_layer_gate=True)
+        ours = per_layer_gated(x, weight, per_layer, layer)
+    theirs = per_layer_gated(x, weight, per_layer, layer, kernel=False)
+    assert ours.shape == theirs.shape == (*x.shape[:2], weight.shape[0])
+    assert np.abs(np.asarray(ours) - np.asarray(theirs)).max() < 1e-5 * np.abs(np.asarray(theirs)).max()
+
+
+def test_the_per_layer_gate_reads_its_own_layers_input_and_row_alone():
+    x, weight, per_layer = per_layer_case(PER_LAYER_SHAPES["12 rows: 4 masked"], seed=5, dtype=jnp.float32)
+    with in_float32():
+        first = per_layer_gated(x, weight, per_layer, 1)
+        other_layer = per_layer_gated(x, weight, per_layer.at[:, :, 0].set(7.0), 1)
+        other_rows = per_layer_gated(x.at[:, 1:].set(-x[:, 1:]), weight, per_layer, 1)
+        layer_zero = per_layer_gated(x, weight, per_layer, 0)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(other_layer))
+    np.testing.assert_array_equal(np.asarray(first[:, 0]), np.asarray(other_rows[:, 0]))
+    assert not np.array_equal(np.asarray(first), np.asarray(layer_zero))
+
+
+def test_what_the_per_layer_gate_does_not_take():
+    def takes(features: int, hidden: int, rows: int = 8):
+        weight = jax.ShapeDtypeStruct((features, hidden), jnp.bfloat16)
+        return jax_decode_mlp.takes(weight, rows, jnp.bfloat16, per_layer_gate=True)
+
+    with in_float32():
+        assert takes(256, 2560)  # E4B's
+        assert not takes(256, 2560, rows=24)
+        assert not takes(24, 2560)  # no whole block of features
+        assert not takes(256, 24)  # a reduction step under 16
+
+
+@pytest.mark.gpu
+@jax_gpu
+@pytest.mark.parametrize("name", list(PER_LAYER_SHAPES))
+def test_the_compiled_per_layer_gate_in_bf16_against_float64(name):
+    """Within two bf16 steps of the largest exact value, as the layer's XLA path is; a row's bits its own."""
+    x, weight, per_layer = per_layer_case(PER_LAYER_SHAPES[name], seed=6, dtype=jnp.bfloat16)
+    layer = per_layer.shape[2] // 2
+    gate = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
+    exact = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3))) * \
+        np.asarray(per_layer[:, :, layer], np.float64)
+    tolerance = np.abs(exact).max() * 2.0**-6
+    ours = np.asarray(per_layer_gated(x, weight, per_layer, layer), np.float64)
+    xla = np.asarray(per_layer_gated(x, weight, per_layer, layer, kernel=False), np.float64)
+    assert np.abs(xla - exact).max() < tolerance
+    assert np.abs(ours - exact).max() < tolerance
+    other = np.asarray(per_layer_gated(x.at[:, 1:].set(-x[:, 1:]), weight, per_layer, layer), np.float64)
+    np.testing.assert_array_equal(ours[:, 0], other[:, 0])

@@ -46,6 +46,11 @@ def gated_case(name):
     return jax_decode_mlp.gated, mlp.case(mlp.SHAPES[name], seed=1, dtype=jnp.bfloat16)
 
 
+def per_layer_gate_case(name):
+    x, weight, per_layer = mlp.per_layer_case(mlp.PER_LAYER_SHAPES[name], seed=1, dtype=jnp.bfloat16)
+    return lambda *a: jax_decode_mlp.gated(*a, per_layer.shape[2] - 1), (x, weight, per_layer)
+
+
 CASES = {  # kernel and shape -> (the function and its arguments, its Triton kernels, whether it triggers on Hopper)
     "attention: 270m sliding": (functools.partial(attention_case, "270m sliding"), 2, False),
     "attention: 31b ring": (functools.partial(attention_case, "31b ring: whole heads"), 2, False),
@@ -55,6 +60,7 @@ CASES = {  # kernel and shape -> (the function and its arguments, its Triton ker
     "residual norms: 31b, batch 2": (functools.partial(norms_case, "31b, batch 2: three runs"), 1, True),
     "gate/up and GELU: e4b": (functools.partial(gated_case, "e4b"), 1, False),
     "gate/up and GELU: 12 rows": (functools.partial(gated_case, "12 rows: 4 masked"), 1, False),
+    "per-layer gate: e4b": (functools.partial(per_layer_gate_case, "e4b"), 1, False),
 }
 
 
