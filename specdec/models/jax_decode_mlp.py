@@ -20,100 +20,156 @@ import math
 import jax
 import jax.numpy as jnp
 
-from specdec.models.jax_decode_attention import interpreting, on_device, rounded
+from specdec.models.jax_decode_attention import interpreting, on_device, rounded, summed_splits
 
 BLOCK_ROWS = 16  # a Triton dot's rows at least, and the most a forward may have here
 # Swept on E4B's and the 270M's layers (H200): other columns, stages and warps ran slower (docs/benchmarks.md)
 BLOCK_COLUMNS = 32  # features of gate (and of up) a program: 320 programs on E4B's 10,240, 64 on the 270M's 2,048
-BLOCK_REDUCTION = 128  # the reduction a step
-STAGES = 3  # steps in flight
-# Gemma 4's per-layer gate (E4B: 256 features of 2,560): (features a program, the reduction a step, steps in flight).
-# Its 16 programs each stream 82 KB of the weight, so a step is wide to keep enough of it in flight. Not yet swept.
-PER_LAYER_BLOCKS = (16, 512, 3)
+BLOCK_REDUCTION = 128  # the reduction a step, 3 steps in flight
 MAX_WEIGHT_BYTES = 128 << 20  # E4B's 105 MB; not the 31B's 462 MB
 
 
-def _blocks(hidden: int, per_layer_gate: bool) -> tuple[int, int, int]:
-    """(features a program, the reduction a step, steps in flight) for a weight of `hidden` columns."""
-    if not per_layer_gate:
-        return BLOCK_COLUMNS, BLOCK_REDUCTION, STAGES
-    columns, reduction, stages = PER_LAYER_BLOCKS
-    return columns, math.gcd(hidden, reduction), stages
-
-
-def takes(weight, rows: int, dtype, per_layer_gate: bool = False) -> bool:
-    """Whether a decode forward of `rows` rows runs its gate/up with the packed `weight` [2 x features, hidden] here
-    (with `per_layer_gate`, Gemma 4's per-layer gate with its weight [features, hidden]): bf16/fp16 on a GPU with
-    Pallas's Triton backend (or interpreted()), at most BLOCK_ROWS rows and MAX_WEIGHT_BYTES, and whole blocks of
-    features and of the reduction."""
+def takes(weight, rows: int, dtype) -> bool:
+    """Whether a decode forward of `rows` rows runs its gate/up with the packed `weight` [2 x features, hidden] here:
+    bf16/fp16 on a GPU with Pallas's Triton backend (or interpreted()), at most BLOCK_ROWS rows and MAX_WEIGHT_BYTES,
+    and whole blocks of features and of the reduction."""
     if getattr(weight, "ndim", None) != 2:  # gate and up unpacked (None) or FP8 (values and scales): XLA's path
         return False
-    features, hidden = weight.shape[0] // (1 if per_layer_gate else 2), weight.shape[1]
-    columns, reduction, _ = _blocks(hidden, per_layer_gate)
+    features, hidden = weight.shape[0] // 2, weight.shape[1]
     return (on_device(dtype) and rows <= BLOCK_ROWS and weight.size * weight.dtype.itemsize <= MAX_WEIGHT_BYTES
-            and features % columns == 0 and hidden % reduction == 0 and reduction >= 16)
+            and features % BLOCK_COLUMNS == 0 and hidden % BLOCK_REDUCTION == 0)
 
 
-def _kernel(x_ref, weight_ref, *refs, rows: int, features: int, steps: int, columns: int, reduction: int,
-            layer: int | None):
+def _kernel(x_ref, weight_ref, out_ref, *, rows: int, features: int, steps: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    out_ref = refs[-1]  # refs: (the per-layer inputs,) out
     block = pl.program_id(0)
     live, row_slice = (jnp.arange(BLOCK_ROWS) < rows)[:, None], pl.ds(0, BLOCK_ROWS)
-    own = pl.ds(block * columns, columns)
-    parts = (own,) if layer is not None else (own, pl.ds(features + block * columns, columns))
+    gate_rows, up_rows = pl.ds(block * BLOCK_COLUMNS, BLOCK_COLUMNS), pl.ds(features + block * BLOCK_COLUMNS,
+                                                                            BLOCK_COLUMNS)
 
     def step(i, sums):
-        span = pl.ds(i * reduction, reduction)
-        x = plgpu.load(x_ref.at[row_slice, span], mask=live, other=0.0)
-        return tuple(total + plgpu.dot(x, weight_ref[part, span], trans_b=True) for total, part in zip(sums, parts))
+        reduction = pl.ds(i * BLOCK_REDUCTION, BLOCK_REDUCTION)
+        x = plgpu.load(x_ref.at[row_slice, reduction], mask=live, other=0.0)
+        return tuple(total + plgpu.dot(x, weight_ref[part, reduction], trans_b=True)
+                     for total, part in zip(sums, (gate_rows, up_rows)))
 
-    zeros = jnp.zeros((BLOCK_ROWS, columns), jnp.float32)
-    products = jax.lax.fori_loop(0, steps, step, (zeros,) * len(parts))
+    zeros = jnp.zeros((BLOCK_ROWS, BLOCK_COLUMNS), jnp.float32)
+    gate, up = jax.lax.fori_loop(0, steps, step, (zeros, zeros))
     dtype = out_ref.dtype
 
-    # rounded where the layer rounds: each product, the GELU, its product with up (or the per-layer input)
-    gelu = rounded(jax.nn.gelu(rounded(products[0], dtype), approximate=True), dtype)
-    if layer is None:
-        other = rounded(products[1], dtype)
-    else:  # the layer's own per-layer input, read from all layers' [rows, layers, features] (traced indices)
-        other = plgpu.load(refs[0].at[row_slice, jnp.int32(layer), own], mask=live, other=0.0).astype(jnp.float32)
-    plgpu.store(out_ref.at[row_slice, own], rounded(gelu * other, dtype).astype(dtype), mask=live)
+    # rounded where the layer rounds: each product, the GELU, the product of both
+    gelu = rounded(jax.nn.gelu(rounded(gate, dtype), approximate=True), dtype)
+    hidden = rounded(gelu * rounded(up, dtype), dtype)
+    plgpu.store(out_ref.at[row_slice, pl.ds(block * BLOCK_COLUMNS, BLOCK_COLUMNS)], hidden.astype(dtype), mask=live)
 
 
-def gated(x, weight, per_layer=None, layer: int | None = None):
+def gated(x, weight):
     """gelu_tanh(gate) * up for x [B, T, hidden] (B x T rows, at most BLOCK_ROWS) and gate/up's packed weight
     [2 x features, hidden] (gate's rows, then up's): [B, T, features] in x's dtype, each product rounded to it as
     jax_gemma._linear's is, then the GELU, then their product, as jax_gemma._mlp rounds. The reduction is a program's
-    own, in steps of BLOCK_REDUCTION.
-
-    With `per_layer` (all layers' per-layer inputs [B, T, layers, features]) and `layer`, Gemma 4's per-layer gate
-    instead: gelu_tanh(x gate^T) * per_layer[:, :, layer] for its gate `weight` [features, hidden], as
-    jax_gemma._decoder_layer rounds it. The kernel reads its layer's inputs from the whole array, which XLA computes
-    once for every layer (sliced, XLA fused each layer's into a kernel of its own)."""
+    own, in steps of BLOCK_REDUCTION."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     B, T, hidden = x.shape
-    rows = B * T
-    per_layer_gate = per_layer is not None
-    features = weight.shape[0] if per_layer_gate else weight.shape[0] // 2
-    columns, reduction, stages = _blocks(hidden, per_layer_gate)
-    kernel = functools.partial(_kernel, rows=rows, features=features, steps=hidden // reduction, columns=columns,
-                               reduction=reduction, layer=layer if per_layer_gate else None)
-    operands = [x.reshape(rows, hidden), weight]
-    if per_layer_gate:
-        operands.append(per_layer.reshape(rows, per_layer.shape[2], features))
+    rows, features = B * T, weight.shape[0] // 2
+    kernel = functools.partial(_kernel, rows=rows, features=features, steps=hidden // BLOCK_REDUCTION)
     out = pl.pallas_call(
         kernel,
-        grid=(features // columns,),
-        in_specs=[pl.no_block_spec] * len(operands),
+        grid=(features // BLOCK_COLUMNS,),
+        in_specs=[pl.no_block_spec, pl.no_block_spec],
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((rows, features), x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=stages),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpreting(),
-        name="decode_per_layer_gated" if per_layer_gate else "decode_gated",
-    )(*operands)
+        name="decode_gated",
+    )(x.reshape(rows, hidden), weight)
     return out.reshape(B, T, features)
+
+
+# -- Gemma 4's per-layer gate ------------------------------------------------------------------------------------
+# E4B's gate is 256 features of 2,560: split by features alone, 16 programs each streamed 82 KB, and took 7.3 us
+# against XLA's 5.3 for its product and split-K reduce (H200, docs/benchmarks.md). So the reduction is split over
+# programs too, and the last program of a block of features to arrive adds the splits' partials in order.
+PER_LAYER_COLUMNS = 16  # features a program
+PER_LAYER_REDUCTION = 256  # the most of the reduction a program takes: 10 splits of E4B's 2,560, 160 programs
+
+
+def _per_layer_reduction(hidden: int) -> int:
+    """The reduction a program takes, a power of two: a whole split of `hidden`."""
+    return math.gcd(hidden, PER_LAYER_REDUCTION)
+
+
+def takes_per_layer_gate(weight, rows: int, dtype) -> bool:
+    """Whether a decode forward of `rows` rows runs Gemma 4's per-layer gate with its `weight` [features, hidden] in
+    per_layer_gated(): as takes(), with whole blocks of PER_LAYER_COLUMNS features and splits of at least 16."""
+    return (getattr(weight, "ndim", None) == 2 and on_device(dtype) and rows <= BLOCK_ROWS
+            and weight.shape[0] % PER_LAYER_COLUMNS == 0 and _per_layer_reduction(weight.shape[1]) >= 16)
+
+
+def _per_layer_kernel(x_ref, weight_ref, per_layer_ref, _arrivals_in, out_ref, partials_ref, arrivals_ref, *,
+                      rows: int, splits: int, reduction: int, layer: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    block, split = pl.program_id(0), pl.program_id(1)
+    live, row_slice = (jnp.arange(BLOCK_ROWS) < rows)[:, None], pl.ds(0, BLOCK_ROWS)
+    own = pl.ds(block * PER_LAYER_COLUMNS, PER_LAYER_COLUMNS)
+    span = pl.ds(split * reduction, reduction)
+    x = plgpu.load(x_ref.at[row_slice, span], mask=live, other=0.0)
+    # the layer's own per-layer input, from all layers' [rows, layers, features]: read before the product, so that
+    # the last program has it by the time it needs it
+    other = plgpu.load(per_layer_ref.at[row_slice, jnp.int32(layer), own], mask=live, other=0.0)
+    plgpu.store(partials_ref.at[split, row_slice, own], plgpu.dot(x, weight_ref[own, span], trans_b=True))
+    if not interpreting():  # every thread's partial stored before the arrival releases them
+        plgpu.debug_barrier()
+    arrived = plgpu.atomic_add(arrivals_ref, block, jnp.int32(1))  # acquire-release at the GPU's scope
+
+    @pl.when(arrived == splits - 1)
+    def _last():  # in the splits' order, whichever arrived last; past L1, which may hold stale lines
+        dtype = out_ref.dtype
+        product = summed_splits(lambda s: plgpu.load(partials_ref.at[jnp.int32(s), row_slice, own], volatile=True),
+                                splits, dtype)
+        gelu = rounded(jax.nn.gelu(product, approximate=True), dtype)
+        plgpu.store(out_ref.at[row_slice, own], rounded(gelu * other.astype(jnp.float32), dtype).astype(dtype),
+                    mask=live)
+        plgpu.atomic_add(arrivals_ref, block, jnp.int32(-splits))  # zero again for the next layer's
+
+
+def per_layer_gated(x, weight, per_layer, layer: int, arrivals=None):
+    """Gemma 4's per-layer gate gelu_tanh(x gate^T) * per_layer[:, :, layer], for x [B, T, hidden] (B x T rows, at
+    most BLOCK_ROWS), its gate `weight` [features, hidden] and every layer's per-layer inputs [B, T, layers,
+    features], rounded as jax_gemma._decoder_layer rounds it: [B, T, features] in x's dtype. It reads its layer's
+    inputs from the whole array, which XLA computes once for every layer (sliced, XLA ran each layer's slice as a
+    kernel of its own).
+
+    -> (the gate, `arrivals`). `arrivals`: int32 [features / PER_LAYER_COLUMNS] zeros, which the kernel counts on
+    and leaves zero, so one forward's layers pass it on (a new one where None). A program takes PER_LAYER_COLUMNS
+    features over a split of the reduction (at most PER_LAYER_REDUCTION); the last of a block's programs to arrive
+    adds the splits in order, so the sum is the same whichever arrives last, and a row's bits do not depend on the
+    other rows."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    B, T, hidden = x.shape
+    rows, features = B * T, weight.shape[0]
+    reduction = _per_layer_reduction(hidden)
+    blocks, splits = features // PER_LAYER_COLUMNS, hidden // reduction
+    if arrivals is None:
+        arrivals = jnp.zeros((blocks,), jnp.int32)
+    out, _, arrivals = pl.pallas_call(
+        functools.partial(_per_layer_kernel, rows=rows, splits=splits, reduction=reduction, layer=layer),
+        grid=(blocks, splits),
+        in_specs=[pl.no_block_spec] * 4,
+        out_specs=[pl.no_block_spec] * 3,
+        out_shape=[jax.ShapeDtypeStruct((rows, features), x.dtype),
+                   jax.ShapeDtypeStruct((splits, BLOCK_ROWS, features), jnp.float32),
+                   jax.ShapeDtypeStruct((blocks,), jnp.int32)],
+        input_output_aliases={3: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpreting(),
+        name="decode_per_layer_gated",
+    )(x.reshape(rows, hidden), weight, per_layer.reshape(rows, per_layer.shape[2], features), arrivals)
+    return out.reshape(B, T, features), arrivals

@@ -295,13 +295,14 @@ def _apply_rope(x, cos, sin):
 
 def _chunk_context(cfg: GemmaConfig, positions, cache: Cache, dtype, commit_first: bool) -> dict:
     """RoPE rows, masks and slots of a chunk. Committing first, the chunk's positions enter `cache` (a live
-    copy the layers write into) now, and each row may attend to the stored positions <= its own."""
+    copy the layers write into) now, and each row may attend to the stored positions <= its own. "arrivals": the
+    per-layer gate kernel's zeroed counters, which each layer that runs it passes on (None before the first)."""
     B, T = positions.shape
     start = positions[:, :1]  # chunks are contiguous: positions[:, t] = start + t
     causal = jnp.tril(jnp.ones((T, T), bool))
     rows = jnp.arange(B)[:, None]
     ctx = {"cos": {}, "sin": {}, "cached_cos": {}, "cached_sin": {}, "mask": {}, "slots": {}, "attended": {},
-           "commit_first": commit_first}
+           "commit_first": commit_first, "arrivals": None}
     for kind in KINDS:
         inv_freq = rope_inv_freq(cfg.rope[kind], cfg.kind_head_dim(kind))
         cos, sin = _rope_cos_sin(inv_freq, positions, dtype)
@@ -612,7 +613,7 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
     norms x for the next layer where there is one and no MoE block. With per-layer inputs, the add after down_proj
     runs there too, with no norm after it: the per-layer gate takes x itself. Gate/up and its GELU run as one kernel
     (jax_decode_mlp) where it takes the weight, the last layer's too, and so do the per-layer gate, its GELU and its
-    product with the layer's per-layer input. Spare programs of two kernels read
+    product with the layer's per-layer input (per_layer_gated). Spare programs of two kernels read
     weights of up to 8 MB into L2 for the products ahead (jax_decode_attention.prefetched): attention's partials the
     layer's o_proj, gate/up and down, and the layer's last kernel the next layer's q/k/v. XLA's products wait on
     entry for the kernel before them, so they cannot load their weights early; from L2 they start sooner (a 270M
@@ -654,8 +655,8 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
         x = residual + norm("post_feedforward_layernorm", h)
     if cfg.has_per_layer_inputs:
         gate = params[p + "per_layer_input_gate.weight"]
-        if kernel and jax_decode_mlp.takes(gate, x.shape[0] * x.shape[1], x.dtype, per_layer_gate=True):
-            gated = jax_decode_mlp.gated(x, gate, per_layer, spec.index)
+        if kernel and jax_decode_mlp.takes_per_layer_gate(gate, x.shape[0] * x.shape[1], x.dtype):
+            gated, ctx["arrivals"] = jax_decode_mlp.per_layer_gated(x, gate, per_layer, spec.index, ctx["arrivals"])
         else:
             gated = _gelu(_linear(x, gate)) * per_layer[:, :, spec.index]
         if closes:

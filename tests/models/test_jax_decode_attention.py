@@ -307,10 +307,14 @@ def norms_calls(monkeypatch) -> list:
 
 @pytest.fixture
 def gated_calls(monkeypatch) -> list:
-    """(The features, whether it is a per-layer gate) of the feed-forwards and Gemma 4 per-layer gates traced through
-    jax_decode_mlp's kernel."""
-    return recorded_calls(monkeypatch, jax_decode_mlp, "gated",
-                          lambda args, _: (args[1].shape[0] // (1 if len(args) > 2 else 2), len(args) > 2))
+    """The features of the feed-forwards traced through jax_decode_mlp's gate/up and GELU kernel."""
+    return recorded_calls(monkeypatch, jax_decode_mlp, "gated", lambda args, _: args[1].shape[0] // 2)
+
+
+@pytest.fixture
+def per_layer_gate_calls(monkeypatch) -> list:
+    """The features of the Gemma 4 per-layer gates traced through jax_decode_mlp's kernel."""
+    return recorded_calls(monkeypatch, jax_decode_mlp, "per_layer_gated", lambda args, _: args[1].shape[0])
 
 
 @pytest.fixture
@@ -322,7 +326,8 @@ def prefetch_calls(monkeypatch) -> dict:
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_e"])
 def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, variant, inputs_calls, norms_calls,
-                                                                      gated_calls, prefetch_calls):
+                                                                      gated_calls, per_layer_gate_calls,
+                                                                      prefetch_calls):
     """Greedy plain decode through every kernel (interpreted, fp32) emits the XLA layers' tokens, and speculative
     decoding in the fused loop the plain decode's. A hidden size of 128 splits the projections' reduction in two
     (reduction_splits), which the kernels add; gemma4_e's KV-shared layers take the inputs kernel for q alone.
@@ -338,14 +343,15 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     per_layer = {"hidden_size_per_layer_input": 16} if variant == "gemma4_e" else {}  # a whole block of the kernel's
     path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128, **per_layer)
     reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls, gated_calls,
-                                                                    *prefetch_calls.values())
+                                                                    per_layer_gate_calls, *prefetch_calls.values())
     assert {splits for splits, _ in inputs_calls} == {2}
     assert {writes for _, writes in inputs_calls} == ({True, False} if variant == "gemma4_e" else {True})
     per_layer_inputs = {(1, True, True), (2, False, False), (4, False, False)} if variant == "gemma4_e" else set()
     assert set(norms_calls) == {(1, False, True), (2, False, True)} | per_layer_inputs
     assert set(prefetch_calls["partials"]) == {0, 2} | ({3} if variant == "gemma4_e" else set())  # 3: with o_proj
     assert set(prefetch_calls["residual_norms"]) == {0, 1}
-    assert set(gated_calls) == ({(128, False), (256, False), (16, True)} if variant == "gemma4_e" else {(128, False)})
+    assert set(gated_calls) == ({128, 256} if variant == "gemma4_e" else {128})
+    assert set(per_layer_gate_calls) == ({16} if variant == "gemma4_e" else set())
     assert plain == reference
     assert speculative == plain
 

@@ -120,7 +120,7 @@ def per_layer_case(shape, seed: int, dtype):
 def per_layer_gated(x, weight, per_layer, layer: int, kernel: bool = True):
     """The kernel, or what jax_gemma's layer computes without it."""
     if kernel:
-        return jax.jit(lambda *a: jax_decode_mlp.gated(*a, layer))(x, weight, per_layer)
+        return jax.jit(lambda *a: jax_decode_mlp.per_layer_gated(*a, layer)[0])(x, weight, per_layer)
     return jax.jit(lambda x, w, p: _gelu(_linear(x, w)) * p[:, :, layer])(x, weight, per_layer)
 
 
@@ -129,7 +129,7 @@ def test_the_per_layer_gate_computes_what_the_layer_computes_without_it(name):
     x, weight, per_layer = per_layer_case(PER_LAYER_SHAPES[name], seed=4, dtype=jnp.float32)
     layer = per_layer.shape[2] - 1
     with in_float32():
-        assert jax_decode_mlp.takes(weight, x.shape[0] * x.shape[1], x.dtype, per_layer_gate=True)
+        assert jax_decode_mlp.takes_per_layer_gate(weight, x.shape[0] * x.shape[1], x.dtype)
         ours = per_layer_gated(x, weight, per_layer, layer)
     theirs = per_layer_gated(x, weight, per_layer, layer, kernel=False)
     assert ours.shape == theirs.shape == (*x.shape[:2], weight.shape[0])
@@ -148,16 +148,43 @@ def test_the_per_layer_gate_reads_its_own_layers_input_and_row_alone():
     assert not np.array_equal(np.asarray(first), np.asarray(layer_zero))
 
 
+def counters_after_two_layers(shape, dtype):
+    """A forward's layers pass the counters on: (the counters after two layers, the second layer's gate, that gate
+    from a call of its own, the first layer's gate)."""
+    x, weight, per_layer = per_layer_case(shape, seed=7, dtype=dtype)
+
+    @jax.jit
+    def two_layers(x, weight, per_layer):
+        first, arrivals = jax_decode_mlp.per_layer_gated(x, weight, per_layer, 0)
+        second, arrivals = jax_decode_mlp.per_layer_gated(x, weight, per_layer, 1, arrivals)
+        return arrivals, second, first
+
+    arrivals, second, first = (np.asarray(a) for a in two_layers(x, weight, per_layer))
+    return arrivals, second, np.asarray(per_layer_gated(x, weight, per_layer, 1)), first
+
+
+def test_the_per_layer_gate_leaves_its_counters_zero_for_the_next_layer():
+    """Each call leaves the counters zero, and the next computes what a fresh one would. The reduction of 640 is
+    five splits, so four programs of a block arrive before the one that adds them."""
+    with in_float32():
+        arrivals, second, alone, first = counters_after_two_layers(PER_LAYER_SHAPES["batch 2, a reduction of 640"],
+                                                                   jnp.float32)
+    np.testing.assert_array_equal(arrivals, np.zeros(arrivals.shape, np.int32))
+    np.testing.assert_array_equal(second, alone)
+    assert not np.array_equal(first, second)
+
+
 def test_what_the_per_layer_gate_does_not_take():
     def takes(features: int, hidden: int, rows: int = 8):
         weight = jax.ShapeDtypeStruct((features, hidden), jnp.bfloat16)
-        return jax_decode_mlp.takes(weight, rows, jnp.bfloat16, per_layer_gate=True)
+        return jax_decode_mlp.takes_per_layer_gate(weight, rows, jnp.bfloat16)
 
     with in_float32():
         assert takes(256, 2560)  # E4B's
         assert not takes(256, 2560, rows=24)
         assert not takes(24, 2560)  # no whole block of features
-        assert not takes(256, 24)  # a reduction step under 16
+        assert takes(256, 640)  # splits of 128
+        assert not takes(256, 24)  # splits under 16
 
 
 @pytest.mark.gpu
@@ -177,3 +204,14 @@ def test_the_compiled_per_layer_gate_in_bf16_against_float64(name):
     assert np.abs(ours - exact).max() < tolerance
     other = np.asarray(per_layer_gated(x.at[:, 1:].set(-x[:, 1:]), weight, per_layer, layer), np.float64)
     np.testing.assert_array_equal(ours[:, 0], other[:, 0])
+    for _ in range(20):  # the same bits in whichever order a block's programs arrive
+        np.testing.assert_array_equal(np.asarray(per_layer_gated(x, weight, per_layer, layer), np.float64), ours)
+
+
+@pytest.mark.gpu
+@jax_gpu
+def test_the_compiled_per_layer_gate_leaves_its_counters_zero_for_the_next_layer():
+    arrivals, second, alone, first = counters_after_two_layers(PER_LAYER_SHAPES["e4b"], jnp.bfloat16)
+    np.testing.assert_array_equal(arrivals, np.zeros(arrivals.shape, np.int32))
+    np.testing.assert_array_equal(second, alone)
+    assert not np.array_equal(first, second)

@@ -48,7 +48,7 @@ def gated_case(name):
 
 def per_layer_gate_case(name):
     x, weight, per_layer = mlp.per_layer_case(mlp.PER_LAYER_SHAPES[name], seed=1, dtype=jnp.bfloat16)
-    return lambda *a: jax_decode_mlp.gated(*a, per_layer.shape[2] - 1), (x, weight, per_layer)
+    return lambda *a: jax_decode_mlp.per_layer_gated(*a, per_layer.shape[2] - 1), (x, weight, per_layer)
 
 
 CASES = {  # kernel and shape -> (the function and its arguments, its Triton kernels, whether it triggers on Hopper)
