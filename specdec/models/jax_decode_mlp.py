@@ -10,6 +10,9 @@ kernel took 122 us against XLA's 110, which is why it takes weights of at most M
 A program's dot takes BLOCK_ROWS rows, the forward's and masked ones, and what it computes for a row depends on
 that row alone, so a row's bits do not depend on the forward's other rows. Forwards of more rows (batches of more than
 two at generate's width) keep XLA's path: the kernel would read its weight once for every block of rows.
+
+per_layer_gated() runs Gemma 4's per-layer gate, its GELU and its product with the layer's per-layer input as one
+kernel too, split over the reduction as well (its weight has 256 features).
 """
 
 from __future__ import annotations
@@ -92,7 +95,9 @@ def gated(x, weight):
 # -- Gemma 4's per-layer gate ------------------------------------------------------------------------------------
 # E4B's gate is 256 features of 2,560: split by features alone, 16 programs each streamed 82 KB, and took 7.3 us
 # against XLA's 5.3 for its product and split-K reduce (H200, docs/benchmarks.md). So the reduction is split over
-# programs too, and the last program of a block of features to arrive adds the splits' partials in order.
+# programs too, and the last program of a block of features to arrive adds the splits' partials in order: 5.1 us
+# for XLA's three kernels, E4B's JAX cycle 0.7% shorter. Swept: 32 features, 128 or 512 of the reduction, and 1, 2
+# or 8 warps ran slower.
 PER_LAYER_COLUMNS = 16  # features a program
 PER_LAYER_REDUCTION = 256  # the most of the reduction a program takes: 10 splits of E4B's 2,560, 160 programs
 
