@@ -94,9 +94,9 @@ def gated(x, weight):
 
 # -- Gemma 4's per-layer gate ------------------------------------------------------------------------------------
 # E4B's gate is 256 features of 2,560: split by features alone, 16 programs each streamed 82 KB, and took 7.3 us
-# against XLA's 5.3 for its product and split-K reduce (H200, docs/benchmarks.md). So the reduction is split over
-# programs too, and the last program of a block of features to arrive adds the splits' partials in order: 5.1 us
-# for XLA's three kernels, E4B's JAX cycle 0.7% shorter. Swept: 32 features, 128 or 512 of the reduction, and 1, 2
+# against the 6.3 of XLA's product and its fusion for the GELU times the input (H200, docs/benchmarks.md). So the
+# reduction is split over programs too, and the last program of a block of features to arrive adds the splits'
+# partials in order: 5.1 us for XLA's two kernels, E4B's JAX cycle 0.7% shorter. Swept: 32 features, 128 or 512 of the reduction, and 1, 2
 # or 8 warps ran slower.
 PER_LAYER_COLUMNS = 16  # features a program
 PER_LAYER_REDUCTION = 256  # the most of the reduction a program takes: 10 splits of E4B's 2,560, 160 programs
