@@ -96,8 +96,8 @@ def gated(x, weight):
 # E4B's gate is 256 features of 2,560: split by features alone, 16 programs each streamed 82 KB, and took 7.3 us
 # against the 6.3 of XLA's product and its fusion for the GELU times the input (H200, docs/benchmarks.md). So the
 # reduction is split over programs too, and the last program of a block of features to arrive adds the splits'
-# partials in order: 5.1 us for XLA's two kernels, E4B's JAX cycle 0.7% shorter. Swept: 32 features, 128 or 512 of the reduction, and 1, 2
-# or 8 warps ran slower.
+# partials in order: 5.1 us for XLA's two kernels, E4B's JAX cycle 0.7% shorter. Swept: 32 features, 128 or 512
+# of the reduction, and 1, 2 or 8 warps ran slower.
 PER_LAYER_COLUMNS = 16  # features a program
 PER_LAYER_REDUCTION = 256  # the most of the reduction a program takes: 10 splits of E4B's 2,560, 160 programs
 
@@ -147,8 +147,7 @@ def per_layer_gated(x, weight, per_layer, layer: int, arrivals=None):
     """Gemma 4's per-layer gate gelu_tanh(x gate^T) * per_layer[:, :, layer], for x [B, T, hidden] (B x T rows, at
     most BLOCK_ROWS), its gate `weight` [features, hidden] and every layer's per-layer inputs [B, T, layers,
     features], rounded as jax_gemma._decoder_layer rounds it: [B, T, features] in x's dtype. It reads its layer's
-    inputs from the whole array, which XLA computes once for every layer (sliced, XLA ran each layer's slice as a
-    kernel of its own).
+    inputs from the whole array, which XLA computes once for every layer.
 
     -> (the gate, `arrivals`). `arrivals`: int32 [features / PER_LAYER_COLUMNS] zeros, which the kernel counts on
     and leaves zero, so one forward's layers pass it on (a new one where None). A program takes PER_LAYER_COLUMNS
