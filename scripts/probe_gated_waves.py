@@ -53,7 +53,7 @@ def main() -> None:
         weights = [jax.random.normal(jax.random.fold_in(key, i), (2 * features, HIDDEN), jnp.bfloat16) * 0.02
                    for i in range(COPIES)]
         assert jax_decode_mlp.takes(weights[0], ROWS, jnp.bfloat16)
-        nbytes = 2 * features * HIDDEN * 2
+        nbytes = weights[0].nbytes
         row = {"programs": programs, "features": features, "weight_mb": nbytes / 1e6}
         for name, product in products.items():
             us = us_a_call(chained(product), x, weights)
