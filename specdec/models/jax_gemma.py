@@ -231,15 +231,22 @@ def _columns(weight, start: int, stop: int):
     return weight[:, start:stop]
 
 
-def _split_product(x, weight, multiple: int = 64):
+# down_proj's slices in a decode forward. In 4, XLA split each slice's GEMM in 4 again and added those in a kernel of
+# its own (1.7 us a layer on E4B); in 8 it keeps them whole, and the residual-add kernel adds the 8. Plain cycles on
+# an H200: E4B 0.45% shorter, the 31B's first six layers 0.85%, the 270M 0.7%; 16 slices were slower (E4B:
+# the add grew more than the kernel it absorbed) (docs/benchmarks.md).
+DOWN_SPLITS = 8
+
+
+def _split_product(x, weight, multiple: int = 64, most: int = 4):
     """x [B, T, K] by weight [N, K] as the products of its reduction's slices, [splits, B, T, N]: split as torch's
-    are (reduction_splits, slices of a multiple of `multiple`), in float32, for a kernel that adds them in order and
-    rounds the sum as _linear's product rounds; one slice holds _linear's product itself. The slices are views:
-    [B, T, splits, part] by [N, splits, part], as torch_gemma.split_products' are. An FP8 weight's scales multiply
-    each slice's float32 product."""
+    are (reduction_splits, at most `most` slices of a multiple of `multiple`), in float32, for a kernel that adds
+    them in order and rounds the sum as _linear's product rounds; one slice holds _linear's product itself. The
+    slices are views: [B, T, splits, part] by [N, splits, part], as torch_gemma.split_products' are. An FP8
+    weight's scales multiply each slice's float32 product."""
     B, T, reduction = x.shape
     columns = weight.shape[0]
-    splits = reduction_splits(B * T, columns, reduction, multiple)
+    splits = reduction_splits(B * T, columns, reduction, multiple, most)
     if splits == 1:
         return _linear(x, weight)[None]
     values = weight.values.astype(x.dtype) if isinstance(weight, Fp8Weight) else weight
@@ -566,7 +573,7 @@ def _mlp(params: Params, prefix: str, x, parts: Parts | None = None, split: bool
             gate, up = _project(params, prefix, PACKS["mlp."], x, parts=parts, part=part, split=split)
             hidden.append(_gelu(gate) * up)
     if split:
-        return _split_product(hidden[0], params[prefix + "down_proj.weight"])
+        return _split_product(hidden[0], params[prefix + "down_proj.weight"], most=DOWN_SPLITS)
     return _row_parallel(params, prefix + "down_proj.weight", hidden, parts)
 
 

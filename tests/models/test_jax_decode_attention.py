@@ -333,24 +333,26 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     (reduction_splits), which the kernels add; gemma4_e's KV-shared layers take the inputs kernel for q alone.
     Residual adds: after attention, on o_proj's product (a reduction of 64 on sliding layers: one product; of 128 on
     gemma4_e's full layers: two slices); each layer's last but the last layer's, on down_proj's product (an
-    intermediate size of 128: two slices), or on gemma4_e's per-layer projection (one product) and layer scalar;
-    gemma4_e's add after down_proj (two slices, four on its KV-shared layers' double-wide MLP), with no norm after it.
+    intermediate size of 512: eight slices, jax_gemma.DOWN_SPLITS), or on gemma4_e's per-layer projection (one
+    product) and layer scalar; gemma4_e's add after down_proj (eight slices, its KV-shared layers' double-wide MLP's
+    too), with no norm after it.
     Read ahead into L2: by attention's partials, gate/up, down and o_proj where it is a whole block (gemma4_e's full
     layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v
     (not q alone, as gemma4_e's KV-shared layers have it: less than a block); by the last layer's, nothing.
-    Gate/up with its GELU in jax_decode_mlp's kernel: 128 features, 256 on gemma4_e's double-wide MLP; and there
+    Gate/up with its GELU in jax_decode_mlp's kernel: 512 features, 1,024 on gemma4_e's double-wide MLP; and there
     gemma4_e's per-layer gates, with per-layer inputs of 16 (a whole block; the variant's own 8 is not)."""
     per_layer = {"hidden_size_per_layer_input": 16} if variant == "gemma4_e" else {}  # a whole block of the kernel's
-    path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=128, **per_layer)
+    path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=512, **per_layer)
     reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls, gated_calls,
                                                                     per_layer_gate_calls, *prefetch_calls.values())
     assert {splits for splits, _ in inputs_calls} == {2}
     assert {writes for _, writes in inputs_calls} == ({True, False} if variant == "gemma4_e" else {True})
-    per_layer_inputs = {(1, True, True), (2, False, False), (4, False, False)} if variant == "gemma4_e" else set()
-    assert set(norms_calls) == {(1, False, True), (2, False, True)} | per_layer_inputs
+    after_attention = {(1, False, True), (2, False, True)} if variant == "gemma4_e" else {(1, False, True)}
+    last = {(1, True, True), (8, False, False)} if variant == "gemma4_e" else {(8, False, True)}
+    assert set(norms_calls) == after_attention | last
     assert set(prefetch_calls["partials"]) == {0, 2} | ({3} if variant == "gemma4_e" else set())  # 3: with o_proj
     assert set(prefetch_calls["residual_norms"]) == {0, 1}
-    assert set(gated_calls) == ({128, 256} if variant == "gemma4_e" else {128})
+    assert set(gated_calls) == ({512, 1024} if variant == "gemma4_e" else {512})
     assert set(per_layer_gate_calls) == ({16} if variant == "gemma4_e" else set())
     assert plain == reference
     assert speculative == plain

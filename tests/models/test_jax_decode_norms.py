@@ -16,6 +16,7 @@ from tests.models.test_jax_decode_attention import in_float32, jax_gpu, norm_con
 # batch, tokens, hidden, splits of the product's reduction (1: the product itself), Gemma 4 (a layer scalar)
 SHAPES = {
     "270m": (1, 8, 640, 4, False),
+    "270m down_proj: eight slices": (1, 8, 640, 8, False),
     "e4b per-layer projection: one product": (1, 8, 2560, 1, True),
     "31b, batch 2: three runs": (2, 8, 5376, 4, True),
     "test model": (1, 8, 128, 2, False),

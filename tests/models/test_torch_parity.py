@@ -129,6 +129,8 @@ def test_which_products_split_their_reduction():
     assert reduction_splits(64, 2560, 2048) == 1
     assert reduction_splits(16, 2560, 96) == 1  # no slice of a multiple of 64
     assert reduction_splits(16, 4096, 640, multiple=32) == 4  # JAX's gate/up for the 270M: slices of 160
+    assert reduction_splits(16, 2560, 10240, most=8) == 8  # JAX's down for E4B
+    assert reduction_splits(16, 640, 768, most=8) == 4  # 768: no 8 slices of a multiple of 64
 
 
 @pytest.mark.gpu
