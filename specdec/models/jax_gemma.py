@@ -231,10 +231,11 @@ def _columns(weight, start: int, stop: int):
     return weight[:, start:stop]
 
 
-# down_proj's slices in a decode forward. In 4, XLA split each slice's GEMM in 4 again and added those in a kernel of
-# its own (1.7 us a layer on E4B); in 8 it keeps them whole, and the residual-add kernel adds the 8. Plain cycles on
-# an H200: E4B 0.45% shorter, the 31B's first six layers 0.85%, the 270M 0.7%; 16 slices were slower (E4B:
-# the add grew more than the kernel it absorbed) (docs/benchmarks.md).
+# A bf16 down_proj's slices in a decode forward. In 4, XLA split each slice's GEMM in 4 again and added those in a
+# kernel of its own (1.7 us a layer on E4B); in 8 it keeps them whole, and the residual-add kernel adds the 8. Plain
+# cycles on an H200: E4B 0.45% shorter, the 31B's first six layers 0.85%, the 270M 0.7%; 16 slices were slower (E4B:
+# the add grew more than the kernel it absorbed). FP8 weights keep 4: E4B's FP8 cycle ran 1.1% longer in 8
+# (docs/benchmarks.md).
 DOWN_SPLITS = 8
 
 
@@ -573,7 +574,8 @@ def _mlp(params: Params, prefix: str, x, parts: Parts | None = None, split: bool
             gate, up = _project(params, prefix, PACKS["mlp."], x, parts=parts, part=part, split=split)
             hidden.append(_gelu(gate) * up)
     if split:
-        return _split_product(hidden[0], params[prefix + "down_proj.weight"], most=DOWN_SPLITS)
+        down = params[prefix + "down_proj.weight"]
+        return _split_product(hidden[0], down, most=4 if isinstance(down, Fp8Weight) else DOWN_SPLITS)
     return _row_parallel(params, prefix + "down_proj.weight", hidden, parts)
 
 

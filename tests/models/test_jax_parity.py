@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from specdec.models import jax_gemma
+from specdec.models.jax_fp8 import quantize
 from specdec.models.random_init import MULTIMODAL_VARIANT, VARIANTS, build_hf_model
 from specdec.models.torch_gemma import GemmaModel
 
@@ -242,3 +243,17 @@ def test_a_split_linear_is_the_product_in_slices_added_in_order():
     np.testing.assert_allclose(in_order, np.asarray(jax_gemma._linear(x, weight)), rtol=1e-4, atol=1e-3)
     wide = jax.random.normal(key_w, (20480, 64), jnp.float32)
     assert jax_gemma._split_product(x[..., :64], wide, multiple=32).shape[0] == 1
+
+
+def test_a_decode_forwards_down_proj_splits_in_eight_or_four_if_fp8():
+    """The 270M's down_proj (2,048 -> 640) in a decode forward: 8 slices of 256 (jax_gemma.DOWN_SPLITS), and an FP8
+    weight's 4, which ran faster on E4B."""
+    key_x, key_w = jax.random.split(jax.random.key(6))
+    x = jax.random.normal(key_x, (1, 8, 640), jnp.float32)
+    for fp8, splits in ((False, 8), (True, 4)):
+        params = {"mlp.gate_proj.weight": jax.random.normal(key_w, (2048, 640), jnp.float32),
+                  "mlp.up_proj.weight": jax.random.normal(key_w, (2048, 640), jnp.float32),
+                  "mlp.down_proj.weight": jax.random.normal(key_w, (640, 2048), jnp.float32)}
+        if fp8:
+            params = {name: quantize(weight) for name, weight in params.items()}
+        assert jax_gemma._mlp(params, "mlp.", x, split=True).shape == (splits, 1, 8, 640)
