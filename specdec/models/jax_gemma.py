@@ -233,8 +233,8 @@ def _columns(weight, start: int, stop: int):
 
 # A bf16 down_proj's slices in a decode forward. In 4, XLA split each slice's GEMM in 4 again and added those in a
 # kernel of its own (1.7 us a layer on E4B); in 8 it keeps them whole, and the residual-add kernel adds the 8. Plain
-# cycles on an H200: E4B 0.45% shorter, the 31B's first six layers 0.85%, the 270M 0.7%; 16 slices were slower (E4B:
-# the add grew more than the kernel it absorbed). FP8 weights keep 4: E4B's FP8 cycle ran 1.1% longer in 8
+# cycles on an H200: E4B 0.45% shorter, the 31B's first six layers 0.85%, the 270M no slower; 16 slices were slower
+# (E4B: the add grew more than the kernel it absorbed). FP8 weights keep 4: E4B's FP8 cycle ran 1.1% longer in 8
 # (docs/benchmarks.md).
 DOWN_SPLITS = 8
 
