@@ -231,12 +231,13 @@ def _columns(weight, start: int, stop: int):
     return weight[:, start:stop]
 
 
-# A bf16 down_proj's slices in a decode forward. In 4, XLA split each slice's GEMM in 4 again and added those in a
-# kernel of its own (1.7 us a layer on E4B); in 8 it keeps them whole, and the residual-add kernel adds the 8. Plain
-# cycles on an H200: E4B 0.45% shorter, the 31B's first six layers 0.85%, the 270M no slower; 16 slices were slower
-# (E4B: the add grew more than the kernel it absorbed). FP8 weights keep 4: E4B's FP8 cycle ran 1.1% longer in 8
-# (docs/benchmarks.md).
-DOWN_SPLITS = 8
+# down_proj's slices in a decode forward, where its weight has at least DOWN_SPLIT_BYTES. In 4, XLA split each
+# slice's GEMM in 4 again and added those in a kernel of its own (1.7 us a layer on E4B); in 8 it keeps them whole,
+# and the residual-add kernel adds the 8. Plain cycles on an H200, 4 slices against 8: E4B 0.45% shorter in 8 (a
+# 52 MB weight), the 31B's first six layers 0.85% (231 MB) and in FP8 2.7% (115 MB); E4B in FP8 (26 MB) 1.1% longer,
+# the 270M (2.6 MB) within its runs' spread, so smaller weights keep 4. 16 slices were slower on E4B: the add grew
+# more than the kernel it absorbed (docs/benchmarks.md).
+DOWN_SPLITS, DOWN_SPLIT_BYTES = 8, 32 << 20
 
 
 def _split_product(x, weight, multiple: int = 64, most: int = 4):
@@ -575,7 +576,8 @@ def _mlp(params: Params, prefix: str, x, parts: Parts | None = None, split: bool
             hidden.append(_gelu(gate) * up)
     if split:
         down = params[prefix + "down_proj.weight"]
-        return _split_product(hidden[0], down, most=4 if isinstance(down, Fp8Weight) else DOWN_SPLITS)
+        values = down.values if isinstance(down, Fp8Weight) else down
+        return _split_product(hidden[0], down, most=DOWN_SPLITS if values.nbytes >= DOWN_SPLIT_BYTES else 4)
     return _row_parallel(params, prefix + "down_proj.weight", hidden, parts)
 
 

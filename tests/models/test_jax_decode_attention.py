@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec.models import jax_decode_attention, jax_decode_mlp, jax_decode_norms
+from specdec.models import jax_decode_attention, jax_decode_mlp, jax_decode_norms, jax_gemma
 from specdec.models.jax_gemma import _apply_rope, _rms_norm, _rope_cos_sin
 from specdec.models.random_init import write_random_checkpoint
 from specdec.verifiers.jax_engine import JaxEngine
@@ -325,16 +325,16 @@ def prefetch_calls(monkeypatch) -> dict:
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_e"])
-def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, variant, inputs_calls, norms_calls,
-                                                                      gated_calls, per_layer_gate_calls,
+def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, monkeypatch, variant, inputs_calls,
+                                                                      norms_calls, gated_calls, per_layer_gate_calls,
                                                                       prefetch_calls):
     """Greedy plain decode through every kernel (interpreted, fp32) emits the XLA layers' tokens, and speculative
     decoding in the fused loop the plain decode's. A hidden size of 128 splits the projections' reduction in two
     (reduction_splits), which the kernels add; gemma4_e's KV-shared layers take the inputs kernel for q alone.
     Residual adds: after attention, on o_proj's product (a reduction of 64 on sliding layers: one product; of 128 on
     gemma4_e's full layers: two slices); each layer's last but the last layer's, on down_proj's product (an
-    intermediate size of 512: eight slices, jax_gemma.DOWN_SPLITS), or on gemma4_e's per-layer projection (one
-    product) and layer scalar; gemma4_e's add after down_proj (eight slices, its KV-shared layers' double-wide MLP's
+    intermediate size of 512: eight slices, as large weights take them, jax_gemma.DOWN_SPLITS), or on gemma4_e's
+    per-layer projection (one product) and layer scalar; gemma4_e's add after down_proj (eight slices, its KV-shared layers' double-wide MLP's
     too), with no norm after it.
     Read ahead into L2: by attention's partials, gate/up, down and o_proj where it is a whole block (gemma4_e's full
     layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v
@@ -342,6 +342,7 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     Gate/up with its GELU in jax_decode_mlp's kernel: 512 features, 1,024 on gemma4_e's double-wide MLP; and there
     gemma4_e's per-layer gates, with per-layer inputs of 16 (a whole block; the variant's own 8 is not)."""
     per_layer = {"hidden_size_per_layer_input": 16} if variant == "gemma4_e" else {}  # a whole block of the kernel's
+    monkeypatch.setattr(jax_gemma, "DOWN_SPLIT_BYTES", 0)
     path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=512, **per_layer)
     reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls, gated_calls,
                                                                     per_layer_gate_calls, *prefetch_calls.values())
