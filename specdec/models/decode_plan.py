@@ -41,9 +41,9 @@ SPLIT_MAX_ROWS = 32  # products of more rows keep one GEMM (reduction_splits)
 def reduction_splits(rows: int, columns: int, reduction: int, multiple: int = 64, most: int = 4) -> int:
     """1, or the slices a product of `rows` rows with a [columns, reduction] weight splits its reduction into (torch:
     torch_gemma.linear; JAX: a decode forward's q/k/v, o_proj, gate/up and down): for at most SPLIT_MAX_ROWS rows,
-    where a weight's 128-column tiles would not reach half an H100's or H200's 132 SMs, the most slices of a
-    multiple of `multiple` of `most`, ..., 4, 2 (a power of two). 4 by default: 8 was slower on an H200 for E4B's
-    down projection in torch; JAX's down takes 8 (jax_gemma.DOWN_SPLITS)."""
+    where a weight's 128-column tiles would not reach half an H100's or H200's 132 SMs, the first of `most`, ...,
+    4, 2 slices (powers of two) that are each a multiple of `multiple`. `most` is 4 by default: 8 was slower on an
+    H200 for E4B's down projection in torch; JAX's down takes 8 where its weight is large (jax_gemma.DOWN_SPLITS)."""
     if rows > SPLIT_MAX_ROWS or columns > 66 * 128:
         return 1
     counts = [1 << bit for bit in range(most.bit_length() - 1, 0, -1)]  # most, ..., 4, 2
