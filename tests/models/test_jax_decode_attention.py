@@ -334,8 +334,8 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     Residual adds: after attention, on o_proj's product (a reduction of 64 on sliding layers: one product; of 128 on
     gemma4_e's full layers: two slices); each layer's last but the last layer's, on down_proj's product (an
     intermediate size of 512: eight slices, as large weights take them, jax_gemma.DOWN_SPLITS), or on gemma4_e's
-    per-layer projection (one product) and layer scalar; gemma4_e's add after down_proj (eight slices, its KV-shared layers' double-wide MLP's
-    too), with no norm after it.
+    per-layer projection (one product) and layer scalar; gemma4_e's add after down_proj (eight slices, its KV-shared
+    layers' double-wide MLP's too), with no norm after it.
     Read ahead into L2: by attention's partials, gate/up, down and o_proj where it is a whole block (gemma4_e's full
     layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v
     (not q alone, as gemma4_e's KV-shared layers have it: less than a block); by the last layer's, nothing.
