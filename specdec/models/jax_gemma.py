@@ -234,7 +234,7 @@ def _columns(weight, start: int, stop: int):
 # down_proj's slices in a decode forward, where its weight has at least DOWN_SPLIT_BYTES. In 4, XLA split each
 # slice's GEMM in 4 again and added those in a kernel of its own (1.7 us a layer on E4B); in 8 it keeps them whole,
 # and the residual-add kernel adds the 8. Plain cycles on an H200, 4 slices against 8: E4B 0.45% shorter in 8 (a
-# 52 MB weight), the 31B's first six layers 0.85% (231 MB) and in FP8 2.7% (115 MB); E4B in FP8 (26 MB) 1.1% longer,
+# 52 MB weight), the 31B's first six layers 0.8% (231 MB) and in FP8 2.9% (115 MB); E4B in FP8 (26 MB) 1.2% longer,
 # the 270M (2.6 MB) within its runs' spread, so smaller weights keep 4. 16 slices were slower on E4B: the add grew
 # more than the kernel it absorbed (docs/benchmarks.md).
 DOWN_SPLITS, DOWN_SPLIT_BYTES = 8, 32 << 20
