@@ -36,9 +36,10 @@ def plan(slots: int, head_dim: int, kv_heads: int) -> dict:
 
 
 SPLIT_MAX_ROWS = 32  # products of more rows keep one GEMM (reduction_splits)
+MOST_SPLITS = 4  # slices a product takes at most unless it asks for more (reduction_splits)
 
 
-def reduction_splits(rows: int, columns: int, reduction: int, multiple: int = 64, most: int = 4) -> int:
+def reduction_splits(rows: int, columns: int, reduction: int, multiple: int = 64, most: int = MOST_SPLITS) -> int:
     """1, or the slices a product of `rows` rows with a [columns, reduction] weight splits its reduction into (torch:
     torch_gemma.linear; JAX: a decode forward's q/k/v, o_proj, gate/up and down): for at most SPLIT_MAX_ROWS rows,
     where a weight's 128-column tiles would not reach half an H100's or H200's 132 SMs, the first of `most`, ...,

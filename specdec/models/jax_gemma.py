@@ -35,7 +35,7 @@ import numpy as np
 from specdec.models import jax_decode_attention, jax_decode_mlp, jax_decode_norms
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
 from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq, vocab_rows
-from specdec.models.decode_plan import reduction_splits
+from specdec.models.decode_plan import MOST_SPLITS, reduction_splits
 from specdec.models.jax_fp8 import Fp8Weight, quantize_params
 from specdec.models.jax_fp8 import product as fp8_product
 
@@ -240,7 +240,7 @@ def _columns(weight, start: int, stop: int):
 DOWN_SPLITS, DOWN_SPLIT_BYTES = 8, 32 << 20
 
 
-def _split_product(x, weight, multiple: int = 64, most: int = 4):
+def _split_product(x, weight, multiple: int = 64, most: int = MOST_SPLITS):
     """x [B, T, K] by weight [N, K] as the products of its reduction's slices, [splits, B, T, N]: split as torch's
     are (reduction_splits, at most `most` slices of a multiple of `multiple`), in float32, for a kernel that adds
     them in order and rounds the sum as _linear's product rounds; one slice holds _linear's product itself. The
@@ -577,7 +577,7 @@ def _mlp(params: Params, prefix: str, x, parts: Parts | None = None, split: bool
     if split:
         down = params[prefix + "down_proj.weight"]
         values = down.values if isinstance(down, Fp8Weight) else down
-        return _split_product(hidden[0], down, most=DOWN_SPLITS if values.nbytes >= DOWN_SPLIT_BYTES else 4)
+        return _split_product(hidden[0], down, most=DOWN_SPLITS if values.nbytes >= DOWN_SPLIT_BYTES else MOST_SPLITS)
     return _row_parallel(params, prefix + "down_proj.weight", hidden, parts)
 
 
