@@ -231,13 +231,20 @@ def _columns(weight, start: int, stop: int):
     return weight[:, start:stop]
 
 
-# down_proj's slices in a decode forward, where its weight has at least DOWN_SPLIT_BYTES. In 4, XLA split each
-# slice's GEMM in 4 again and added those in a kernel of its own (1.7 us a layer on E4B); in 8 it keeps them whole,
-# and the residual-add kernel adds the 8. Plain cycles on an H200, 4 slices against 8: E4B 0.45% shorter in 8 (a
-# 52 MB weight), the 31B's first six layers 0.8% (231 MB) and in FP8 2.9% (115 MB); E4B in FP8 (26 MB) 1.2% longer,
-# the 270M (2.6 MB) within its runs' spread, so smaller weights keep 4. 16 slices were slower on E4B: the add grew
+# down_proj's slices in a decode forward, where its weight has at least DOWN_SPLIT_BYTES for each 8 of the forward's
+# rows. In 4, XLA split each slice's GEMM in 4 again and added those in a kernel of its own (1.7 us a layer on E4B);
+# in 8 it keeps them whole, and the residual-add kernel adds the 8. Plain cycles on an H200, 4 slices against 8, at
+# 8 rows: E4B 0.45% shorter in 8 (a 52 MB weight), the whole 31B 1.1% (231 MB) and in FP8 4.0% (115 MB); E4B in FP8
+# (26 MB) 1.2% longer, the 270M (2.6 MB) within its runs' spread. At 16 rows the add of 8 slices grows: E4B 0.6%
+# longer, the 31B's first six layers still 1.8% shorter, 3.3% in FP8. 16 slices were slower on E4B: the add grew
 # more than the kernel it absorbed (docs/benchmarks.md).
 DOWN_SPLITS, DOWN_SPLIT_BYTES = 8, 32 << 20
+
+
+def _down_splits(down, rows: int) -> int:
+    """The most slices a decode forward of `rows` rows splits down_proj's reduction into (_split_product)."""
+    values = down.values if isinstance(down, Fp8Weight) else down
+    return DOWN_SPLITS if values.nbytes >= DOWN_SPLIT_BYTES * max(1, rows // 8) else MOST_SPLITS
 
 
 def _split_product(x, weight, multiple: int = 64, most: int = MOST_SPLITS):
@@ -576,8 +583,7 @@ def _mlp(params: Params, prefix: str, x, parts: Parts | None = None, split: bool
             hidden.append(_gelu(gate) * up)
     if split:
         down = params[prefix + "down_proj.weight"]
-        values = down.values if isinstance(down, Fp8Weight) else down
-        return _split_product(hidden[0], down, most=DOWN_SPLITS if values.nbytes >= DOWN_SPLIT_BYTES else MOST_SPLITS)
+        return _split_product(hidden[0], down, most=_down_splits(down, x.shape[0] * x.shape[1]))
     return _row_parallel(params, prefix + "down_proj.weight", hidden, parts)
 
 

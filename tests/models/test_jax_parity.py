@@ -246,17 +246,20 @@ def test_a_split_linear_is_the_product_in_slices_added_in_order():
 
 
 def test_a_decode_forwards_down_proj_splits_in_eight_where_its_weight_is_large(monkeypatch):
-    """A down_proj of DOWN_SPLIT_BYTES or more (E4B's in bf16, the 31B's in bf16 and FP8) in a decode forward: 8
-    slices (jax_gemma.DOWN_SPLITS); a smaller one (the 270M's, E4B's in FP8) 4, which ran as fast or faster."""
+    """A down_proj of DOWN_SPLIT_BYTES or more for each 8 rows (at 8 rows E4B's in bf16, the 31B's in bf16 and FP8;
+    at 16 the 31B's) in a decode forward: 8 slices (jax_gemma.DOWN_SPLITS); a smaller one (the 270M's, E4B's in FP8,
+    E4B's at 16 rows) 4, which ran as fast or faster."""
     key_x, key_w = jax.random.split(jax.random.key(6))
-    x = jax.random.normal(key_x, (1, 8, 640), jnp.float32)
-    for fp8, large, splits in ((False, False, 4), (True, False, 4), (False, True, 8), (True, True, 8)):
+    cases = [(fp8, rows, large) for fp8 in (False, True) for rows in (8, 16) for large in (False, True)]
+    for fp8, rows, large in cases:
+        x = jax.random.normal(key_x, (1, rows, 640), jnp.float32)
         params = {"mlp.gate_proj.weight": jax.random.normal(key_w, (2048, 640), jnp.float32),
                   "mlp.up_proj.weight": jax.random.normal(key_w, (2048, 640), jnp.float32),
                   "mlp.down_proj.weight": jax.random.normal(key_w, (640, 2048), jnp.float32)}
         if fp8:
             params = {name: quantize(weight) for name, weight in params.items()}
         down = params["mlp.down_proj.weight"]
-        size = (down.values if fp8 else down).nbytes
-        monkeypatch.setattr(jax_gemma, "DOWN_SPLIT_BYTES", size if large else size + 1)
-        assert jax_gemma._mlp(params, "mlp.", x, split=True).shape == (splits, 1, 8, 640)
+        per_8_rows = (down.values if fp8 else down).nbytes // (rows // 8)
+        monkeypatch.setattr(jax_gemma, "DOWN_SPLIT_BYTES", per_8_rows if large else per_8_rows + 1)
+        splits = 8 if large else 4
+        assert jax_gemma._mlp(params, "mlp.", x, split=True).shape == (splits, 1, rows, 640), (fp8, rows, large)
