@@ -20,6 +20,20 @@ MAX_SLOTS = MAX_SPLITS * BLOCK_S
 WIDE_PROGRAMS = 128  # from this many (KV head, split) programs, each takes all of a head's value columns
 
 
+def split_slots(slots: int) -> int:
+    """The slots each split of a cache of `slots` takes (plan): whole blocks, as few as MAX_SPLITS splits allow."""
+    blocks = -(-slots // BLOCK_S)
+    return BLOCK_S * -(-blocks // MAX_SPLITS)
+
+
+def whole_splits(slots: int) -> int:
+    """The fewest slots, at least `slots`, that split into whole splits (GemmaConfig.cache_slots allocates these):
+    the JAX engine's attention kernels take no others. A multiple of BLOCK_S, and split_slots of the result is
+    split_slots(slots)."""
+    chunk = split_slots(slots)
+    return -(-slots // chunk) * chunk
+
+
 def plan(slots: int, head_dim: int, kv_heads: int) -> dict:
     """Blocks for a cache of `slots` and `kv_heads` (never for a forward's rows, so that a row's bits do not depend
     on how many there are): 16 query rows a program, the slots in splits of whole blocks of 64, a block a split
@@ -27,8 +41,7 @@ def plan(slots: int, head_dim: int, kv_heads: int) -> dict:
     WIDE_PROGRAMS programs without them: a program of all the columns reads its keys once. Swept by
     scripts/tune_decode_attention.py: within 0.2 us of the fastest partials kernel on the 270M's layers (0.7 us on
     E4B's, H200), and the fastest on the 31B's ring in a one-token forward (H100; docs/benchmarks.md)."""
-    blocks = -(-slots // BLOCK_S)
-    chunk = BLOCK_S * -(-blocks // MAX_SPLITS)
+    chunk = split_slots(slots)
     splits = -(-slots // chunk)
     wide = kv_heads * splits >= WIDE_PROGRAMS
     return {"splits": splits, "chunk": chunk, "BLOCK_S": BLOCK_S, "BLOCK_M": BLOCK_M,

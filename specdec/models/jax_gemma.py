@@ -1,9 +1,9 @@
 """Gemma 3 / Gemma 4 text models in JAX: pure functions over a params pytree and a static KV cache.
 
 The math, the order of float operations and the cache semantics mirror `torch_gemma` (read its module
-docstring): sliding layers keep a ring of `window + decode_width(k_max) - 1` slots or a few more
-(GemmaConfig.cache_slots) and full layers `max_seq_len` slots, each slot remembering the absolute position
-written there (slot = position % slots).
+docstring): sliding layers keep a ring of `window + decode_width(k_max) - 1` slots and full layers every
+position, each a few more (GemmaConfig.cache_slots), each slot remembering the absolute position written there
+(slot = position % slots).
 A decode forward (`commit_first=True`) writes its keys/values layer by layer before attending over the
 cache alone, each row to the stored positions <= its own (row invariance); a prefill forward sees cached
 slots with position < its first position plus itself causally, and commits after the last layer (the last

@@ -6,8 +6,9 @@ forward of a given T can be captured in a CUDA graph and replayed.
 
 Cache semantics (shared with the JAX model, see DESIGN.md):
 - sliding layers keep a ring of at least `window + k_max` slots (a rejected draft never overwrites a
-  position still inside the next query's window; GemmaConfig.cache_slots); full layers keep `max_seq_len`
-  slots. Each slot stores the absolute position written there; masks come from stored positions.
+  position still inside the next query's window; GemmaConfig.cache_slots); full layers keep every position
+  (both rounded up to whole splits of the decode attention's blocks). Each slot stores the absolute position
+  written there; masks come from stored positions.
 - two ways to run a chunk. A *decode* forward (`commit_first=True`; what the engines run for every verify,
   T <= decode_width(k_max)) writes its positions and keys/values into their slots first, layer by layer, and each
   row attends over the cache alone, to the slots holding positions <= its own. A row then reads exactly

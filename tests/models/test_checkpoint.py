@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from specdec.errors import SpecdecError
 from specdec.models.checkpoint import load_checkpoint, save_checkpoint
-from specdec.models.config import RING_ALIGN, GemmaConfig, decode_width
+from specdec.models.config import GemmaConfig, decode_width
+from specdec.models.decode_plan import BLOCK_S, plan
 from specdec.models.torch_gemma import GemmaModel
 
 
@@ -103,11 +104,27 @@ def test_gemma4_config_forms_agree(random_checkpoints):
 
 @pytest.mark.parametrize("k_max, lookahead", [(8, 0), (4, 0), (4, 3)])
 def test_sliding_ring_holds_a_window_and_a_forward_in_aligned_rows(random_checkpoints, k_max, lookahead):
-    """Every slot a query's window and a decode forward need, and rows of a multiple of RING_ALIGN slots: a
-    527-slot ring sent the attention products to a slow unaligned cuBLAS path, and XLA padded a 528-slot one.
-    A ring longer than the context is cut."""
+    """Every slot a query's window and a decode forward need, and rows of a multiple of 64 slots: a 527-slot ring
+    sent the attention products to a slow unaligned cuBLAS path, and XLA padded a 528-slot one. A ring longer than
+    the context is cut to the context's slots."""
     cfg = GemmaConfig.from_dict(json.loads((random_checkpoints["gemma3"] / "config.json").read_text()))
     needed = cfg.sliding_window + decode_width(k_max) - 1 + lookahead
     ring = cfg.cache_slots(max_seq_len=4096, k_max=k_max, lookahead=lookahead)["sliding_attention"]
-    assert needed <= ring < needed + RING_ALIGN and ring % RING_ALIGN == 0 and RING_ALIGN % 8 == 0
-    assert cfg.cache_slots(max_seq_len=needed - 1, k_max=k_max, lookahead=lookahead)["sliding_attention"] == needed - 1
+    assert needed <= ring < needed + BLOCK_S and ring % BLOCK_S == 0 and BLOCK_S % 8 == 0
+    short = cfg.cache_slots(max_seq_len=needed - 1, k_max=k_max, lookahead=lookahead)
+    assert short["sliding_attention"] == short["full_attention"] < needed + BLOCK_S
+
+
+@pytest.mark.parametrize("context", [333, 1000, 4096, 4100, 40_000])
+def test_caches_split_into_whole_splits_of_the_attention_kernels(random_checkpoints, context):
+    """Every context gets caches the decode attention's blocks split whole (the JAX kernels take no other: at 333
+    slots the 270M's cycle ran XLA's attention, 14% slower), with every position of the context and less than a
+    split more."""
+    cfg = GemmaConfig.from_dict(json.loads((random_checkpoints["gemma3"] / "config.json").read_text()))
+    for slots in cfg.cache_slots(max_seq_len=context, k_max=4).values():
+        chunk = plan(slots, 256, 1)["chunk"]
+        assert slots % chunk == 0 and slots % BLOCK_S == 0
+    full = cfg.cache_slots(max_seq_len=context, k_max=4)["full_attention"]
+    assert context <= full < context + plan(full, 256, 1)["chunk"]
+
+
