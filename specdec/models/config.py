@@ -32,8 +32,6 @@ def decode_width(k_max: int) -> int:
     return round_up(k_max + 1, ROW_MULTIPLE)
 
 
-
-
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -220,11 +218,11 @@ class GemmaConfig:
         past the committed length before it catches up (a model drafter's draft steps).
 
         Both are rounded up to whole splits of the decode attention's blocks (decode_plan.whole_splits), a
-        multiple of 64: the JAX engine's attention kernels take no other cache (at 333 slots the 270M's JAX cycle
-        ran XLA's attention, 0.600 ms against 0.527 at 384, H200); rows of a multiple of 8 slots are 16-byte
-        aligned, as cuBLAS's fast kernels need (a 527-slot ring ran the 270M's attention products on an sm75
-        fallback, ~6 us each, H200); and XLA split the value product's reduction over a ring in chunks of a multiple of
-        8, padding a 528-slot one to 576 twice a sliding layer and step (H100)."""
+        multiple of 64: the JAX engine's attention kernels take no other cache (at 333 slots the 270M's JAX
+        cycle ran XLA's attention, 0.600 ms against 0.527 at 384, H200); rows of a multiple of 8 slots are
+        16-byte aligned, as cuBLAS's fast kernels need (a 527-slot ring ran the 270M's attention products on an
+        sm75 fallback, ~6 us each, H200); and XLA split the value product's reduction over a ring in chunks of
+        a multiple of 8, padding a 528-slot one to 576 twice a sliding layer and step (H100)."""
         full = whole_splits(max_seq_len)
         ring = whole_splits(self.sliding_window + decode_width(k_max) - 1 + lookahead)
         return {FULL: full, SLIDING: min(ring, full)}
