@@ -1,0 +1,37 @@
+"""scripts/time_jax_generation.py on the CPU: it times whole generations of the fused plain cycle, over the calls
+they need, and the device's own pace, on an engine whose cache splits whole."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+
+from specdec.models.config import FULL, GemmaConfig
+from specdec.models.decode_plan import plan
+from specdec.models.jax_gemma import random_params
+from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "time_jax_generation.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("time_jax_generation", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generations_are_timed_whole(random_checkpoints):
+    script = load_script()
+    cfg = GemmaConfig.from_dict(json.loads((random_checkpoints["gemma3"] / "config.json").read_text()))
+    engine = JaxEngine(cfg, random_params(cfg, jax.random.key(0)), max_seq_len=99, k_max=4)
+    slots = engine.cache["slot_pos"][FULL].shape[1]
+    assert slots >= 99 and slots % plan(slots, cfg.head_dim, 1)["chunk"] == 0
+    cycle = JaxFusedCycle(engine, None, 0, prefetch=False)
+    rows = script.time_generations(cycle, [5, 6, 7, 8, 9], tokens=20, runs=2)
+    assert [r["emitted"] for r in rows] == [20, 20]
+    for r in rows:
+        assert r["calls"] >= 20 / cycle.cycles_per_call and r["decode_ms"] > 0 and r["prefill_ms"] > 0
+    assert cycle._dispatch.__func__ is JaxFusedCycle._dispatch  # the timing wrappers are taken off again
+    assert script.device_pace(cycle, [5, 6, 7], calls=2) > 0
