@@ -1,24 +1,14 @@
 """scripts/profile_jax_cycle.py's kernel_sources, on a module XLA dumped on the CPU: each fusion named by the kinds of
 op in it and the specdec lines they come from."""
 
-import importlib.util
 import inspect
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from specdec.models import jax_gemma
-
-SCRIPT = Path(__file__).parents[1] / "scripts" / "profile_jax_cycle.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("profile_jax_cycle", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 def test_kernel_sources_name_a_fusions_ops_and_specdec_lines(tmp_path):
@@ -29,7 +19,7 @@ def test_kernel_sources_name_a_fusions_ops_and_specdec_lines(tmp_path):
     module = max(tmp_path.glob("*after_optimizations.txt"), key=lambda path: path.stat().st_size).read_text()
     kernels = [name.replace(".", "_") for name in re.findall(r"^\s*(?:ROOT )?%(\w*fusion[\w.]*) = ", module, re.M)]
     assert any(re.search(r"_\d+$", kernel) for kernel in kernels)  # fusion.1 runs as kernel fusion_1 (two GELUs)
-    sources = load_script().kernel_sources([*kernels, "decode_attention_partials"], tmp_path)
+    sources = load_script("profile_jax_cycle").kernel_sources([*kernels, "decode_attention_partials"], tmp_path)
     gelu_line = inspect.getsourcelines(jax_gemma._gelu)[1] + 1  # its body's one line
     assert set(sources) == set(kernels)  # a name the module does not define is left out
     assert any("tanh" in found["ops"] and f"jax_gemma.py:{gelu_line}:_gelu" in found["sources"]

@@ -1,9 +1,7 @@
 """scripts/time_jax_generation.py on the CPU: it times whole generations of the fused plain cycle, over the calls
 they need, and the device's own pace, on an engine whose cache splits whole."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import jax
 
@@ -11,19 +9,11 @@ from specdec.models.config import FULL, GemmaConfig
 from specdec.models.decode_plan import plan
 from specdec.models.jax_gemma import random_params
 from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
-
-SCRIPT = Path(__file__).parents[1] / "scripts" / "time_jax_generation.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("time_jax_generation", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 def test_generations_are_timed_whole(random_checkpoints):
-    script = load_script()
+    script = load_script("time_jax_generation")
     cfg = GemmaConfig.from_dict(json.loads((random_checkpoints["gemma3"] / "config.json").read_text()))
     engine = JaxEngine(cfg, random_params(cfg, jax.random.key(0)), max_seq_len=99, k_max=4)
     slots = engine.cache["slot_pos"][FULL].shape[1]
