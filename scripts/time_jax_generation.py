@@ -65,7 +65,6 @@ def time_generations(cycle: JaxFusedCycle, prompt: list[int], tokens: int, runs:
 
 def device_pace(cycle: JaxFusedCycle, prompt: list[int], calls: int) -> float:
     """ms per cycle of `calls` calls dispatched back to back, with one wait at the end."""
-    engine = cycle.verifier
     cycle.start([prompt], StopCondition(10**6))
     for _ in range(3):
         cycle.step()
@@ -73,12 +72,9 @@ def device_pace(cycle: JaxFusedCycle, prompt: list[int], calls: int) -> float:
     jax.block_until_ready(cycle.state.cache)
     start = time.perf_counter()
     for _ in range(calls):
-        engine.cache = None  # donated to the call
-        cycle.state, results = cycle._steps(engine.params, cycle.state, *cycle._stop, None)
+        results = cycle._dispatch()
     jax.block_until_ready(results)
-    pace = (time.perf_counter() - start) * 1e3 / (calls * cycle.cycles_per_call)
-    engine.cache, engine.lengths = cycle.state.cache, cycle.state.length
-    return pace
+    return (time.perf_counter() - start) * 1e3 / (calls * cycle.cycles_per_call)
 
 
 def main() -> int:
