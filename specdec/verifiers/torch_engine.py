@@ -15,15 +15,16 @@ On CUDA each forward width is captured once as a CUDA graph and replayed: the mo
 small batch, and a replay issues hundreds of kernels for the price of one launch. `compile=True` (the
 default on CUDA) first fuses the forward's elementwise work with torch.compile (~1 minute, cached on
 disk by inductor), so each replay also runs far fewer kernels; a fused cycle's drafting and acceptance
-are compiled with it, and prefill runs a compiled program of its own, dynamic in the prompt's length. On
-CPU the forwards run eagerly. Graphed and eager run the same kernels on the same buffers, so they give the
-same tokens.
+are compiled with it, and prefill runs a compiled program of its own, dynamic in the prompt's length, each
+chunk padded to a multiple of 64 tokens and replayed as a graph of that width. On CPU the forwards run
+eagerly. Graphed and eager run the same kernels on the same buffers, so they give the same tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 
 import torch
@@ -32,12 +33,19 @@ from specdec.acceptance.torch_rule import RowSampling, accept_greedy, accept_sam
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, check_context
 from specdec.models import skinny_gemm
-from specdec.models.config import SLIDING, decode_width
+from specdec.models.config import FULL, SLIDING, decode_width, round_up
 from specdec.models.torch_gemma import SPLIT_MAX_ROWS, GemmaModel, KVCache
 from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams, seed_words
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds activation memory)
+# Graphed prefill pads a chunk to a multiple of this many tokens, past SPLIT_MAX_ROWS (where the compiled forward
+# splits its products, another program): a graph per multiple, and at most 63 pad tokens of work.
+PREFILL_WIDTH_STEP = 64
+# A prefill of one row is graphed in engines of at most this batch: a graph per row and width (a server's rows,
+# captured by warm_up_prefill). Distillation's batches of hundreds prefill their rows one run of equal lengths at a
+# time, most of one row: a graph for each would be hundreds.
+GRAPHED_PREFILL_MAX_BATCH = 16
 
 
 PERSISTENT_REDUCTION_WIDTH = 8192  # rows up to this wide are reduced in one pass from registers
@@ -257,6 +265,13 @@ class TorchEngine:
         self._prefill_fn = compiled_prefill(model) if self.compiles else model.forward
         self._pad_tokens = torch.full((batch, self.width - 1), model.cfg.pad_token_id, dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, VerifyOutput]] = {}
+        # A compiled engine on a GPU runs prefill chunks padded to PREFILL_WIDTH_STEP, where graphs replay them (pads
+        # cost no launches there), graphed or not: its graphed and ungraphed twins commit a prompt's same bits. Graphs
+        # by (first row, rows, width), sharing one memory pool: they replay one at a time. An eager engine's prefill
+        # (short `generate` commands) is not graphed: its capture has not run on a GPU.
+        self.pad_prefill = self.compiles and self.device.type == "cuda"
+        self._prefill_graphs: dict[tuple[int, int, int], tuple] = {}
+        self._prefill_pool = None
         # Per row, the hidden states of `hidden_layers` at its committed prompt positions [P-1, n, H] (an
         # EAGLE-3 head starts from them); set by prefill and prefill_row when hidden_layers are asked for.
         self.prefill_hidden: list[torch.Tensor | None] = [None] * batch
@@ -294,10 +309,10 @@ class TorchEngine:
         return torch.tensor(prompt[-1:], dtype=torch.long, device=self.device)
 
     def warm_up_prefill(self) -> None:
-        """Compile prefill for every chunk length ahead of the prompts that need it: a server's first requests waited
-        10-94 s for it on an H100. dynamo's dynamic program holds a guard where the forward branches on the length,
-        at a sliding layer's ring: a chunk on each side of it, and the longest, compile what any prompt needs.
-        Row 0 keeps their junk until its next prefill_row."""
+        """Compile prefill, and capture each row's graph of each padded width, ahead of the prompts that need them: a
+        server's first requests waited 10-94 s for the compilation on an H100. dynamo's dynamic program holds a
+        guard where the forward branches on the length, at a sliding layer's ring: a chunk on each side of it, and
+        the longest, compile what any unpadded chunk needs. The rows keep their junk until their next prefill_row."""
         if not self.compiles:
             return
         longest = min(PREFILL_CHUNK, self.max_seq_len - self.width - 1)
@@ -305,6 +320,10 @@ class TorchEngine:
         for length in sorted({SPLIT_MAX_ROWS + 1, ring, ring + 1, longest}):
             if SPLIT_MAX_ROWS < length <= longest:
                 self.prefill_row(0, [self.cfg.pad_token_id] * (length + 1))
+        if self.use_graphs and self.pad_prefill and self.batch <= GRAPHED_PREFILL_MAX_BATCH:
+            for row, width in itertools.product(range(self.batch), range(PREFILL_WIDTH_STEP, longest + 1,
+                                                                          PREFILL_WIDTH_STEP)):
+                self.prefill_row(row, [self.cfg.pad_token_id] * (width + 1))
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
@@ -313,25 +332,77 @@ class TorchEngine:
             raise SpecdecError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens")
 
     def _prefill_rows(self, first: int, prompts: list[list[int]]) -> None:
-        """Commit equal-length prompts but their last tokens into rows first.., chunk by chunk. Chunks of at most
-        SPLIT_MAX_ROWS tokens run eagerly, about 10 ms more per short prompt on a GPU (~25 ms eager, 12-16 ms
-        compiled). Compiled, dynamo would build three more programs for them (chunks of 1 and 2 tokens, which it
-        specialises, and those up to SPLIT_MAX_ROWS, where a compiled forward splits its products), about a
-        minute each on an H100."""
+        """Commit equal-length prompts but their last tokens into rows first.., chunk by chunk."""
         rows = self.cache.rows(first, first + len(prompts))
         ids = torch.tensor([p[:-1] for p in prompts], dtype=torch.long, device=self.device)
         chunks = []
         with torch.inference_mode():
             for start in range(0, ids.shape[1], PREFILL_CHUNK):
-                chunk = ids[:, start : start + PREFILL_CHUNK]
-                pos = torch.arange(start, start + chunk.shape[1], device=self.device).expand_as(chunk)
-                forward = self._prefill_fn if chunk.shape[1] > SPLIT_MAX_ROWS else self.model.forward
-                chunks.append(forward(chunk, pos, rows, hidden_layers=self.hidden_layers, last_only=True)[1])
+                chunks.append(self._prefill_chunk(first, rows, ids[:, start : start + PREFILL_CHUNK], start))
         if self.hidden_layers:
             hidden = torch.cat(chunks, dim=1) if chunks else torch.zeros(
                 len(prompts), 0, len(self.hidden_layers), self.cfg.hidden_size, dtype=self.model.dtype, device=self.device)
             for i in range(len(prompts)):
                 self.prefill_hidden[first + i] = hidden[i]
+
+    def _prefill_chunk(self, first: int, rows: KVCache, chunk: torch.Tensor, start: int) -> torch.Tensor | None:
+        """Commit a chunk [B, n] of rows first.. at positions start..; -> its hidden states of `hidden_layers`.
+
+        Where graphs replay it, the chunk runs padded to its width (`_prefill_width`) as one graph: the compiled
+        forward alone spent ~11 ms a prompt launching its kernels from Python, 1.8-2.8 ms as a graph (the 270M up
+        to 400 tokens, H200). Otherwise chunks of more than SPLIT_MAX_ROWS tokens run the compiled forward and
+        shorter ones run eagerly (25-46 ms on a GPU): compiled,
+        dynamo would build three more programs for them (chunks of 1 and 2 tokens, which it specialises, and those
+        up to SPLIT_MAX_ROWS, where a compiled forward splits its products), about a minute each on an H100."""
+        B, n = chunk.shape
+        graphs_rows = B == self.batch or (B == 1 and self.batch <= GRAPHED_PREFILL_MAX_BATCH)
+        width = self._prefill_width(start, n) if graphs_rows else n
+        tokens = torch.cat([chunk, chunk.new_full((B, width - n), self.cfg.pad_token_id)], dim=1)
+        # Contiguous, as a graph's static copy is: dynamo compiles an expanded tensor (stride 0) into another program
+        positions = torch.arange(start, start + width, device=self.device).repeat(B, 1)
+        key = (first, B, width)
+        # A capture runs the chunk twice (its warm-up, then the replay): harmless only where the chunk reads no
+        # cache it writes, the first; later chunks replay a graph that a first one captured.
+        if self.use_graphs and self.pad_prefill and graphs_rows and width % PREFILL_WIDTH_STEP == 0 and (
+                start == 0 or key in self._prefill_graphs):
+            hidden = self._replay_prefill(key, rows, tokens, positions)
+        else:
+            forward = self._prefill_fn if width > SPLIT_MAX_ROWS else self.model.forward
+            hidden = forward(tokens, positions, rows, hidden_layers=self.hidden_layers, last_only=True)[1]
+        return None if hidden is None else hidden[:, :n].clone()
+
+    def _prefill_width(self, start: int, n: int) -> int:
+        """The tokens a prefill chunk of n runs as: n, or padded up to a multiple of PREFILL_WIDTH_STEP past
+        SPLIT_MAX_ROWS where `pad_prefill` and the pads are harmless. Pads sit after the prompt (causal) at the
+        positions the next decode forwards overwrite first, as rejected drafts do, so they must not wrap onto a
+        slot still inside a query's window: no pad past the full cache's slots, and on a sliding ring either no
+        wrap at all or no more pads than the ring's slots past the window (a pad at position p then takes the
+        slot of p - ring, before every later query's window)."""
+        if not self.pad_prefill:
+            return n
+        width = round_up(max(n, SPLIT_MAX_ROWS + 1), PREFILL_WIDTH_STEP)
+        end = start + width
+        ring = self.cache.slots(SLIDING)
+        fits_ring = end <= ring or width - n <= ring - self.cfg.sliding_window
+        return width if end <= self.cache.slots(FULL) and fits_ring else n
+
+    def _replay_prefill(self, key: tuple[int, int, int], rows: KVCache, tokens: torch.Tensor,
+                        positions: torch.Tensor) -> torch.Tensor | None:
+        """Run the prefill forward of tokens [B, W] at `positions` into `rows` as the CUDA graph of `key` (first
+        row, B, W), captured at its first chunk."""
+        if key not in self._prefill_graphs:
+            static_tokens, static_positions = tokens.clone(), positions.clone()
+            forward = functools.partial(self._prefill_fn, static_tokens, static_positions, rows,
+                                        hidden_layers=self.hidden_layers, last_only=True)
+            if self._prefill_pool is None:
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            graph, (_, hidden) = capture_graph(forward, pool=self._prefill_pool)
+            self._prefill_graphs[key] = (graph, static_tokens, static_positions, hidden)
+        graph, static_tokens, static_positions, hidden = self._prefill_graphs[key]
+        static_tokens.copy_(tokens)
+        static_positions.copy_(positions)
+        graph.replay()
+        return hidden
 
     def verify(self, tokens: torch.Tensor) -> VerifyOutput:
         """Run tokens [B, T] at positions lengths + 0..T-1 (T <= k_max + 1); nothing is committed."""

@@ -12,7 +12,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.models.torch_gemma import GemmaModel
-from specdec.verifiers.torch_engine import TorchEngine
+from specdec.verifiers.torch_engine import PREFILL_CHUNK, TorchEngine
 
 
 def sha(tokens):
@@ -269,3 +269,60 @@ def test_combo_kernels_stay_off_in_a_process_that_holds_parts(monkeypatch):
         assert not config.combo_kernels
         _configure_compile()
         assert not config.combo_kernels
+
+
+PADDED_PREFILL_LENGTHS = (5, 40, 64, 66, 100, 129, 600)  # prompt lengths: past a chunk (512) and the ring (64)
+
+
+def test_padded_prefill_decodes_as_the_unpadded_one(model):
+    """Prefill on a GPU pads a chunk up to a multiple of 64 tokens (`pad_prefill`), where graphs replay it; here
+    float32 on the CPU. The pads must not take a slot that a later query still reads: over prompts
+    past the window (8), the ring (64 slots) and a chunk (512), the padded engine decodes the tokens and commits the
+    prompt's hidden states of the unpadded one."""
+    plain = TorchEngine(model, max_seq_len=1024, k_max=4, hidden_layers=(1,))
+    padded = TorchEngine(model, max_seq_len=1024, k_max=4, hidden_layers=(1,))
+    padded.pad_prefill = True
+    widths = {n: [padded._prefill_width(start, min(PREFILL_CHUNK, n - 1 - start))
+                  for start in range(0, n - 1, PREFILL_CHUNK)] for n in PADDED_PREFILL_LENGTHS}
+    # 66: 63 pads after 65 tokens would wrap onto the window
+    assert widths == {5: [64], 40: [64], 64: [64], 66: [65], 100: [128], 129: [128], 600: [512, 128]}
+    for n in PADDED_PREFILL_LENGTHS:
+        prompt = [2] + torch.randint(3, 500, (n - 1,), generator=torch.Generator().manual_seed(n)).tolist()
+        assert padded.greedy_decode(prompt, 12) == plain.greedy_decode(prompt, 12), n
+        torch.testing.assert_close(padded.prefill_hidden[0], plain.prefill_hidden[0])
+
+
+def test_pads_past_the_ring_bound_would_change_the_logits(model):
+    """Why `_prefill_width` refuses 63 pads after a 64-token chunk on a 64-slot ring: they wrap onto the window of
+    the prompt's last positions, and the next forward's logits change."""
+    prompt = [2] + list(range(3, 67))  # commits 64 tokens
+    logits = []
+    for force in (False, True):
+        engine = TorchEngine(model, max_seq_len=1024, k_max=4)
+        engine.pad_prefill = True
+        if force:
+            engine._prefill_width = lambda start, n: 128
+        pending = engine.prefill([prompt])
+        logits.append(engine.verify(pending[:, None]).logits[0, 0])
+    assert not torch.allclose(logits[0], logits[1])
+
+
+@pytest.mark.gpu
+def test_graphed_prefill_commits_what_the_same_forward_does_ungraphed(random_checkpoints):
+    """bf16 on the GPU, compiled: prefill's graphs replay the forward a padded chunk runs without them, so the
+    tokens and the prompt's hidden states are the same bits, for a batch and for a row of a batch."""
+    m = GemmaModel.from_checkpoint(random_checkpoints["gemma4_e"], dtype=torch.bfloat16, device="cuda",
+                                   max_seq_len=1024)
+    engines = [TorchEngine(m, batch=2, max_seq_len=1024, k_max=4, hidden_layers=(1,), cuda_graphs=graphs)
+               for graphs in (False, True)]
+    for n in PADDED_PREFILL_LENGTHS:
+        prompt = [2] + torch.randint(3, 500, (n - 1,), generator=torch.Generator().manual_seed(n)).tolist()
+        runs = []
+        for engine in engines:
+            engine.prefill([prompt, prompt])
+            engine.prefill_row(1, prompt[: n // 2 + 1])
+            runs.append([engine.prefill_hidden[0], engine.prefill_hidden[1],
+                         engine.verify(torch.full((2, 1), 7, device="cuda")).logits])
+        for ungraphed, graphed in zip(*runs):
+            assert torch.equal(ungraphed, graphed), n
+    assert {width for _, _, width in engines[1]._prefill_graphs} == {64, 128, 320, 512}  # 512 + 87: 128 replayed
