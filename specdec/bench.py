@@ -256,6 +256,8 @@ def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, 
     spec = {"ngram": "ngram", "eagle3": f"eagle3={eagle3}"}
     target = specdec.load(path, engine=engine, dtype=dtype, k_max=k_max, max_seq_len=context, invariant=invariant,
                           compile=compile, hidden_layers=drafter_taps(spec["eagle3"], path) if eagle3 else (), fp8=fp8)
+    if engine == "torch":  # set-up, as a server's: prefill's program and each width's graph
+        target.engine.warm_up_prefill()
 
     def decode(text: str, _ids: list[int], method: Method, max_new_tokens: int) -> Run:
         _, gen = specdec.generate(text, target, drafter=spec[method.drafter] if method.k else "none", k=method.k,

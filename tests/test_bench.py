@@ -2,6 +2,7 @@
 failing the run, prompts from local datasets, and bad input as one line on stderr with exit 1."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -94,6 +95,7 @@ def fake_engine(monkeypatch):
 
     class Loaded:
         tokenizer = None
+        engine = SimpleNamespace(warm_up_prefill=lambda: None)
 
     def generate(prompt, target, drafter, k, max_new_tokens):
         stats = SpecStats(k=k, cycles=2, emitted=3, kept=3, decode_s=0.1)
