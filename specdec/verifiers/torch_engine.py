@@ -321,9 +321,20 @@ class TorchEngine:
             if SPLIT_MAX_ROWS < length <= longest:
                 self.prefill_row(0, [self.cfg.pad_token_id] * (length + 1))
         if self.use_graphs and self.pad_prefill and self.batch <= GRAPHED_PREFILL_MAX_BATCH:
-            for row, width in itertools.product(range(self.batch), range(PREFILL_WIDTH_STEP, longest + 1,
-                                                                          PREFILL_WIDTH_STEP)):
-                self.prefill_row(row, [self.cfg.pad_token_id] * (width + 1))
+            for row, length in itertools.product(range(self.batch), self.graphed_prefill_widths().values()):
+                self.prefill_row(row, [self.cfg.pad_token_id] * (length + 1))
+
+    def graphed_prefill_widths(self) -> dict[int, int]:
+        """Each width a prompt's first chunk can run padded at (`_prefill_width`) -> the longest chunk that runs at it.
+        Later chunks replay these widths' graphs. At `bench`'s context of 333 positions the 270M's prompts of 321 to
+        324 tokens run at 384, past the longest chunk."""
+        longest = min(PREFILL_CHUNK, self.max_seq_len - self.width - 1)
+        widths = {}
+        for n in range(1, longest + 1):
+            width = self._prefill_width(0, n)
+            if width % PREFILL_WIDTH_STEP == 0:
+                widths[width] = n
+        return widths
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:

@@ -326,3 +326,16 @@ def test_graphed_prefill_commits_what_the_same_forward_does_ungraphed(random_che
         for ungraphed, graphed in zip(*runs):
             assert torch.equal(ungraphed, graphed), n
     assert {width for _, _, width in engines[1]._prefill_graphs} == {64, 128, 320, 512}  # 512 + 87: 128 replayed
+
+
+def test_prefill_warms_up_every_width_a_first_chunk_can_run_at(model):
+    """A server captures its prefill graphs at start (`warm_up_prefill`), each width from the longest chunk that runs
+    at it: at a context of 350 positions the longest prompt, 342 tokens, runs padded at 384, past the longest chunk."""
+    engine = TorchEngine(model, max_seq_len=350, k_max=4)
+    engine.pad_prefill = True
+    widths = engine.graphed_prefill_widths()
+    assert set(widths) == {64, 128, 192, 256, 320, 384}
+    longest = 350 - engine.width - 1
+    for width, n in widths.items():
+        assert engine._prefill_width(0, n) == width and (n == longest or engine._prefill_width(0, n + 1) != width)
+    assert widths[384] == longest
