@@ -268,7 +268,7 @@ class TorchEngine:
         # A compiled engine on a GPU runs prefill chunks padded to PREFILL_WIDTH_STEP, where graphs replay them (pads
         # cost no launches there), graphed or not: its graphed and ungraphed twins commit a prompt's same bits. Graphs
         # by (first row, rows, width), sharing one memory pool: they replay one at a time. An eager engine's prefill
-        # (short `generate` commands) is not graphed: its capture has not run on a GPU.
+        # (a short `generate` command's, one prompt) is not graphed: a capture there would cost more than it saves.
         self.pad_prefill = self.compiles and self.device.type == "cuda"
         self._prefill_graphs: dict[tuple[int, int, int], tuple] = {}
         self._prefill_pool = None
