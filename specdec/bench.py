@@ -6,6 +6,7 @@ Every speculative run is compared token by token with the same engine's plain de
 with row-invariant forwards (the default) any difference is a bug. Each configuration is warmed up first
 (compilation and first touch are not measured); then each prompt's decode is timed: prefill and decoding,
 synchronised with the device. tok/s of a method = its tokens over its seconds, summed over the prompts.
+On a GPU each engine (the peer's too) runs in a process of its own, which reports back to this one (`--isolate`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class BenchSettings:
     compile: bool = True  # torch.compile the torch engine's forward on CUDA (set-up: warm-up, not timed)
     eagle3: Path | None = None  # an EAGLE-3 head: its runs at each K beside n-gram's
     fp8: bool = False  # our engines' linears in FP8 (specdec.models.fp8); the peer keeps the checkpoint's weights
+    isolate: bool | None = None  # each engine in a process of its own; None: on a GPU, where several engines run
 
     @property
     def drafters(self) -> tuple[str, ...]:
@@ -177,24 +179,15 @@ def run_bench(settings: BenchSettings) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    from specdec.api import resolve_checkpoint
     from specdec.evidence import git_commit, now_utc
-    from specdec.models.config import decode_width
-    from specdec.models.tokenizer import Tokenizer
     from specdec.progress import LoggedProgress
 
     check_settings(settings)
-    texts = load_prompts(settings)
     on_cuda = torch.cuda.is_available()
-    max_new_tokens = settings.max_new_tokens or (128 if on_cuda else 32)
-    k_max = settings.engine_k_max
-    dtype = "bfloat16" if on_cuda else "float32"
-    path = resolve_checkpoint(settings.target)
-    tokenizer = Tokenizer.from_dir(path)
-    prompt_ids = [tokenizer.encode(text) for text in texts]
-    context = max(len(ids) for ids in prompt_ids) + max_new_tokens + 2 * decode_width(k_max)
-
+    job = bench_job(settings, on_cuda)
+    texts, prompt_ids, path = job["texts"], job["prompt_ids"], job["checkpoint"]
     engines = list(settings.engines) + [PEER] * settings.peer
+    isolate = settings.isolate if settings.isolate is not None else on_cuda and len(engines) > 1
     runs: dict[Method, list[Run]] = {}
     # JAX runs last: on a GPU it reserves most of the memory for itself.
     order = sorted(engines, key=lambda e: e == "jax")
@@ -205,26 +198,14 @@ def run_bench(settings: BenchSettings) -> dict:
             def step(message: str, engine=engine) -> None:
                 bar.update(task, description=f"{engine}: {message}")
 
-            bar.update(task, description=f"{engine}: loading")
-            if engine == PEER:
-                decode = _transformers_decoder(path, dtype)
+            step("loading")
+            if isolate:
+                runs.update(_runs_in_child(engine, job, step, lambda: bar.advance(task)))
             else:
-                decode = _our_decoder(path, engine, dtype, k_max, context, settings.invariant, settings.compile,
-                                      settings.eagle3, settings.fp8)
-            methods = engine_methods(engine, settings)
-            for method in methods:
-                step(f"warm-up {method.name}")
-                decode(texts[0], prompt_ids[0], method, WARMUP_TOKENS)
-                bar.advance(task)
-            for i, (text, ids) in enumerate(zip(texts, prompt_ids)):
-                for method in methods:  # a prompt's methods back to back: drift in clocks hits them alike
-                    step(f"prompt {i + 1}/{len(texts)} · {method.name}")
-                    runs.setdefault(method, []).append(decode(text, ids, method, max_new_tokens))
-                    bar.advance(task)
-            del decode
-            gc.collect()
-            if on_cuda:
-                torch.cuda.empty_cache()  # leave the memory to the engine that runs next
+                runs.update(engine_runs(engine, job, step, lambda: bar.advance(task)))
+                gc.collect()
+                if on_cuda:
+                    torch.cuda.empty_cache()  # leave the memory to the engine that runs next
 
     results = _summarise(runs, engines, settings)
     return {
@@ -234,14 +215,113 @@ def run_bench(settings: BenchSettings) -> dict:
         "commit": git_commit(),
         "settings": {
             **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
-            "target": str(settings.target or "embedded gemma-3-270m"), "checkpoint": str(path),
-            "k_max": k_max, "max_new_tokens": max_new_tokens, "dtype": dtype, "batch": 1,
-            "warmup_tokens": WARMUP_TOKENS, "versions": _versions(engines),
+            "target": str(settings.target or "embedded gemma-3-270m"), "checkpoint": path,
+            "k_max": job["k_max"], "max_new_tokens": job["max_new_tokens"], "dtype": job["dtype"], "batch": 1,
+            "warmup_tokens": WARMUP_TOKENS, "versions": _versions(engines), "isolate": isolate,
         },
         "prompts": [{"text": text, "tokens": len(ids)} for text, ids in zip(texts, prompt_ids)],
         "identical": all(m["identical"] is not False for m in results if m["engine"] != PEER),
         "methods": results,
     }
+
+
+def bench_job(settings: BenchSettings, on_cuda: bool) -> dict:
+    """What each engine's runs need, as JSON (a child process takes it): the checkpoint, its prompts as text and
+    tokens, the context that fits the longest, and the settings the decoders take."""
+    from specdec.api import resolve_checkpoint
+    from specdec.models.config import decode_width
+    from specdec.models.tokenizer import Tokenizer
+
+    texts = load_prompts(settings)
+    max_new_tokens = settings.max_new_tokens or (128 if on_cuda else 32)
+    k_max = settings.engine_k_max
+    path = resolve_checkpoint(settings.target)
+    tokenizer = Tokenizer.from_dir(path)
+    prompt_ids = [tokenizer.encode(text) for text in texts]
+    return {"checkpoint": str(path), "dtype": "bfloat16" if on_cuda else "float32", "k_max": k_max,
+            "context": max(len(ids) for ids in prompt_ids) + max_new_tokens + 2 * decode_width(k_max),
+            "texts": texts, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens,
+            "settings": {"ks": list(settings.ks), "eagle3": None if settings.eagle3 is None else str(settings.eagle3),
+                         "invariant": settings.invariant, "compile": settings.compile, "fp8": settings.fp8}}
+
+
+def engine_runs(engine: str, job: dict, step, advance) -> dict[Method, list[Run]]:
+    """Every method of one engine on every prompt of `job` (run_bench's), each warmed up first; `step(message)` says
+    what runs, `advance()` counts a decode done."""
+    path, dtype, texts = Path(job["checkpoint"]), job["dtype"], job["texts"]
+    options = job["settings"]
+    settings = BenchSettings(ks=tuple(options["ks"]), eagle3=options["eagle3"] and Path(options["eagle3"]))
+    if engine == PEER:
+        decode = _transformers_decoder(path, dtype)
+    else:
+        decode = _our_decoder(path, engine, dtype, job["k_max"], job["context"], options["invariant"],
+                              options["compile"], settings.eagle3, options["fp8"])
+    methods = engine_methods(engine, settings)
+    for method in methods:
+        step(f"warm-up {method.name}")
+        decode(texts[0], job["prompt_ids"][0], method, WARMUP_TOKENS)
+        advance()
+    runs: dict[Method, list[Run]] = {}
+    for i, (text, ids) in enumerate(zip(texts, job["prompt_ids"])):
+        for method in methods:  # a prompt's methods back to back: drift in clocks hits them alike
+            step(f"prompt {i + 1}/{len(texts)} · {method.name}")
+            runs.setdefault(method, []).append(decode(text, ids, method, job["max_new_tokens"]))
+            advance()
+    return runs
+
+
+CHILD_LINE = "specdec-bench "  # how a child's progress and results lines start on its stdout
+
+
+def _runs_in_child(engine: str, job: dict, step, advance) -> dict[Method, list[Run]]:
+    """engine_runs in a process of its own, so that no engine runs beside another's memory, threads and compiled
+    programs: JAX's cycle on the 270M took 0.700 ms after torch's runs in one process, against 0.603-0.610 alone on
+    another H200 (docs/benchmarks.md). The child reports its progress and results as lines on its stdout; its other
+    output goes to stderr, as its errors do."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as spec:
+        json.dump({"engine": engine, **job}, spec)
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "specdec.bench", spec.name], stdout=subprocess.PIPE, text=True)
+        runs = None
+        for line in child.stdout:
+            if not line.startswith(CHILD_LINE):
+                sys.stderr.write(line)
+                continue
+            message = json.loads(line[len(CHILD_LINE):])
+            if "step" in message:
+                step(message["step"])
+            elif "advance" in message:
+                advance()
+            else:
+                runs = message["runs"]
+        if child.wait() != 0 or runs is None:
+            raise SpecdecError(f"bench: the {engine} runs' process failed (exit {child.returncode}; its error is above)")
+    finally:
+        os.unlink(spec.name)
+    return {Method(*entry["method"]): [Run(r["tokens"], r["seconds"], None if r["stats"] is None
+                                           else SpecStats(**r["stats"])) for r in entry["runs"]] for entry in runs}
+
+
+def _child(spec_path: str) -> None:
+    """The child process of _runs_in_child: engine_runs of the spec's engine, progress and results on stdout."""
+    import json
+    import sys
+
+    job = json.loads(Path(spec_path).read_text())
+
+    def say(message: dict) -> None:
+        print(CHILD_LINE + json.dumps(message), flush=True)
+
+    try:
+        runs = engine_runs(job["engine"], job, lambda message: say({"step": message}), lambda: say({"advance": 1}))
+    except SpecdecError as e:
+        sys.exit(f"error: {e}")
+    say({"runs": [{"method": [m.engine, m.k, m.drafter], "runs": [asdict(r) for r in rs]} for m, rs in runs.items()]})
 
 
 def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, invariant: bool, compile: bool,
@@ -519,3 +599,9 @@ def _finish_plot(fig, ax, record: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _child(sys.argv[1])

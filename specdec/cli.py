@@ -321,6 +321,7 @@ def bench(
     invariant: bool = typer.Option(True, help="row-invariant forwards: speculative output identical to plain decoding"),
     compile: bool = typer.Option(True, help="torch.compile the torch engine's forward on CUDA (during the warm-up, not timed)"),
     fp8: bool = typer.Option(False, help="our engines' linears in FP8, a scale per output row; transformers keeps the checkpoint's weights"),
+    isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="run each engine in a process of its own [default: on a GPU, with several engines]"),
     out: Path = typer.Option(Path("specdec-bench.json"), help="JSON results to write"),
     plot: Optional[Path] = typer.Option(None, help="PNG of tok/s against K [default: --out with .png]"),
 ):
@@ -335,6 +336,7 @@ def bench(
         target=target, engines=tuple(benchmark.parse_list(engines, "--engines")), ks=benchmark.parse_ks(k),
         k_max=k_max, max_new_tokens=max_new_tokens, prompts_file=prompts, dataset=dataset, field=field,
         num_prompts=num_prompts, peer=peer, invariant=invariant, compile=compile, eagle3=eagle3, fp8=fp8,
+        isolate=isolate,
     )
     benchmark.require("matplotlib", "the plot")
     if not invariant:

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 import specdec
-from specdec.bench import BenchSettings, load_prompts
+from specdec.bench import BenchSettings, Method, _runs_in_child, bench_job, engine_runs, load_prompts
 from specdec.cli import app
 from specdec.generate import Generation, SpecStats
 
@@ -64,6 +64,32 @@ def test_both_engines_and_the_peer(ckpt, prompts_file, tmp_path):
     for png in (out.with_suffix(".png"), tmp_path / "bench-acceptance.png", tmp_path / "bench-cost.png"):
         assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert "torch n-gram K=2" in stdout and "HF prompt lookup K=2" in stdout and "identical" in stdout
+
+
+def test_an_engine_in_a_process_of_its_own_decodes_as_in_the_benchs(ckpt, prompts_file):
+    """--isolate (the default on a GPU with several engines) runs each engine in a child process, which reports its
+    progress and runs back: the same steps, tokens and counts as the engine run in the bench's own process."""
+    job = bench_job(BenchSettings(target=ckpt, prompts_file=prompts_file, ks=(2,), max_new_tokens=12), on_cuda=False)
+    for engine in ("torch", "jax"):
+        seen = {"child": [], "here": []}
+        child = _runs_in_child(engine, job, seen["child"].append, lambda: seen["child"].append("+"))
+        here = engine_runs(engine, job, seen["here"].append, lambda: seen["here"].append("+"))
+        assert seen["child"] == seen["here"] and seen["here"].count("+") == 2 * (1 + len(PROMPTS))
+        assert list(child) == list(here) == [Method(engine, 0), Method(engine, 2)]
+        for method in here:
+            assert [r.tokens for r in child[method]] == [r.tokens for r in here[method]]
+            assert [(r.stats.kept, r.stats.cycles, r.stats.accepted) for r in child[method]] == [
+                (r.stats.kept, r.stats.cycles, r.stats.accepted) for r in here[method]]
+            assert all(len(r.tokens) == 12 and r.seconds > 0 for r in child[method])
+
+
+def test_bench_records_whether_its_engines_ran_apart(ckpt, prompts_file, tmp_path):
+    out = tmp_path / "bench.json"
+    code, _, stderr = run("--target", ckpt, "--prompts", prompts_file, "--k", "2", "--max-new-tokens", "4",
+                          "--no-peer", "--engines", "torch", "--isolate", "--out", out)
+    assert code == 0, stderr
+    record = json.loads(out.read_text())
+    assert record["settings"]["isolate"] is True and record["identical"] is True
 
 
 def test_fp8_weights_in_our_engines(ckpt, prompts_file, tmp_path, monkeypatch):
