@@ -362,19 +362,19 @@ class TorchEngine:
         Where graphs replay it, the chunk runs padded to its width (`_prefill_width`) as one graph: the compiled
         forward alone spent ~11 ms a prompt launching its kernels from Python, 1.8-2.8 ms as a graph (the 270M up
         to 400 tokens, H200). Otherwise chunks of more than SPLIT_MAX_ROWS tokens run the compiled forward and
-        shorter ones run eagerly (25-46 ms on a GPU): compiled,
-        dynamo would build three more programs for them (chunks of 1 and 2 tokens, which it specialises, and those
-        up to SPLIT_MAX_ROWS, where a compiled forward splits its products), about a minute each on an H100."""
+        shorter ones run eagerly (25-46 ms on a GPU): compiled, dynamo would build three more programs for them
+        (chunks of 1 and 2 tokens, which it specialises, and those up to SPLIT_MAX_ROWS, where a compiled forward
+        splits its products), about a minute each on an H100."""
         B, n = chunk.shape
-        graphs_rows = B == self.batch or (B == 1 and self.batch <= GRAPHED_PREFILL_MAX_BATCH)
-        width = self._prefill_width(start, n) if graphs_rows else n
+        graphable_rows = B == self.batch or (B == 1 and self.batch <= GRAPHED_PREFILL_MAX_BATCH)
+        width = self._prefill_width(start, n) if graphable_rows else n
         tokens = torch.cat([chunk, chunk.new_full((B, width - n), self.cfg.pad_token_id)], dim=1)
         # Contiguous, as a graph's static copy is: dynamo compiles an expanded tensor (stride 0) into another program
         positions = torch.arange(start, start + width, device=self.device).repeat(B, 1)
         key = (first, B, width)
         # A capture runs the chunk twice (its warm-up, then the replay): harmless only where the chunk reads no
         # cache it writes, the first; later chunks replay a graph that a first one captured.
-        if self.use_graphs and self.pad_prefill and graphs_rows and width % PREFILL_WIDTH_STEP == 0 and (
+        if self.use_graphs and self.pad_prefill and graphable_rows and width % PREFILL_WIDTH_STEP == 0 and (
                 start == 0 or key in self._prefill_graphs):
             hidden = self._replay_prefill(key, rows, tokens, positions)
         else:
