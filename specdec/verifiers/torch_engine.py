@@ -315,7 +315,7 @@ class TorchEngine:
         the longest, compile what any unpadded chunk needs. The rows keep their junk until their next prefill_row."""
         if not self.compiles:
             return
-        longest = min(PREFILL_CHUNK, self.max_seq_len - self.width - 1)
+        longest = self._longest_chunk()
         ring = self.cache.slots(SLIDING)
         for length in sorted({SPLIT_MAX_ROWS + 1, ring, ring + 1, longest}):
             if SPLIT_MAX_ROWS < length <= longest:
@@ -328,13 +328,17 @@ class TorchEngine:
         """Each width a prompt's first chunk can run padded at (`_prefill_width`) -> the longest chunk that runs at it.
         Later chunks replay these widths' graphs. At `bench`'s context of 333 positions the 270M's prompts of 321 to
         324 tokens run at 384, past the longest chunk."""
-        longest = min(PREFILL_CHUNK, self.max_seq_len - self.width - 1)
+        longest = self._longest_chunk()
         widths = {}
         for n in range(1, longest + 1):
             width = self._prefill_width(0, n)
             if width % PREFILL_WIDTH_STEP == 0:
                 widths[width] = n
         return widths
+
+    def _longest_chunk(self) -> int:
+        """The most tokens a prefill chunk commits: a chunk's, or the longest prompt's but its pending token."""
+        return min(PREFILL_CHUNK, self.max_seq_len - self.width - 1)
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
