@@ -275,8 +275,8 @@ PADDED_PREFILL_LENGTHS = (5, 40, 64, 66, 100, 129, 600)  # prompt lengths: past 
 
 
 def test_padded_prefill_decodes_as_the_unpadded_one(model):
-    """Prefill on a GPU pads a chunk up to a multiple of 64 tokens (`pad_prefill`), where graphs replay it; here
-    float32 on the CPU. The pads must not take a slot that a later query still reads: over prompts
+    """A compiled engine on a GPU pads a prefill chunk up to a multiple of 64 tokens (`pad_prefill`), where graphs
+    replay it; here float32 on the CPU. The pads must not take a slot that a later query still reads: over prompts
     past the window (8), the ring (64 slots) and a chunk (512), the padded engine decodes the tokens and commits the
     prompt's hidden states of the unpadded one."""
     plain = TorchEngine(model, max_seq_len=1024, k_max=4, hidden_layers=(1,))
@@ -293,8 +293,8 @@ def test_padded_prefill_decodes_as_the_unpadded_one(model):
 
 
 def test_pads_past_the_ring_bound_would_change_the_logits(model):
-    """Why `_prefill_width` refuses 63 pads after a 64-token chunk on a 64-slot ring: they wrap onto the window of
-    the prompt's last positions, and the next forward's logits change."""
+    """Why `_prefill_width` allows a 64-slot ring at most 56 pads past its 8-token window: 64 pads after a 64-token
+    chunk wrap onto the window of the prompt's last positions, and the next forward's logits change."""
     prompt = [2] + list(range(3, 67))  # commits 64 tokens
     logits = []
     for force in (False, True):
