@@ -84,11 +84,13 @@ def load(
     to 8 rows. On an H200, 16 rows (k_max 8-15) cost a plain step 3-4% more than 8 (k_max 1-7) on the 270M and
     31B shapes (docs/benchmarks.md).
 
-    `compile` (torch on CUDA) fuses the forward with torch.compile before capturing CUDA graphs: about
-    2.5x faster decoding of the 270M, for about 45 s of compilation on a machine's first run and 10 s
-    later (inductor's cache, see specdec.compile_cache). Without it the CUDA graphs replay the eager
-    forward and set up in a fraction of a second: the better choice for short runs. The JAX engine always
-    compiles, and caches its programs on disk.
+    `compile` spends compile time on what many requests repay. Torch on CUDA: torch.compile fuses the forward
+    before capturing CUDA graphs (prefill's too): about 2.5x faster decoding of the 270M, for about 45 s of
+    compilation on a machine's first run and 10 s later (inductor's cache, see specdec.compile_cache). Without it
+    the CUDA graphs replay the eager forward and set up in a fraction of a second: the better choice for short
+    runs. The JAX engine always compiles (and caches its programs on disk); `compile` gives it prefill's own
+    program (JaxEngine's prefill_chunk, PREFILL_CHUNK tokens a forward), which a one-off command would wait for
+    beside its cycle program. Either way plain and speculative runs of one target prefill alike.
 
     `tensor_parallel` > 1 splits the attention heads and MLP columns over that many devices. JAX: a mesh of
     this process's first devices. PyTorch: one process per device over torch.distributed, each of which calls
@@ -150,7 +152,7 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
                                invariant=invariant, compile=compile and device.startswith("cuda"))
         cfg = model.cfg
     else:
-        from specdec.verifiers.jax_engine import JaxEngine
+        from specdec.verifiers.jax_engine import PREFILL_CHUNK, JaxEngine
 
         # XLA reserves 75% of a GPU's memory when it first starts: 1-2 s of every command on an H200
         # (docs/benchmarks.md, issue 8). Allocate on demand instead, unless the user has chosen.
@@ -172,6 +174,7 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
         verifier = JaxEngine.from_checkpoint(
             path, dtype=dtype, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers,
             invariant=invariant, mesh=mesh, tp_parts=tp_parts, background=mesh is None and tp_parts is None, fp8=fp8,
+            prefill_chunk=PREFILL_CHUNK if compile and tp_parts is None else None,
         )
         cfg = verifier.cfg
     return verifier, cfg

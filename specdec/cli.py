@@ -75,7 +75,7 @@ def generate(
     fused: Optional[bool] = typer.Option(None, help="draft+verify+accept on the device: one CUDA graph replay (torch) or compiled step (JAX) per cycle [default: torch on CUDA, JAX]"),
     compare_plain: bool = typer.Option(False, help="also time a plain decode first and report the speedup"),
     invariant: bool = typer.Option(True, help="row-invariant forwards: greedy output identical to plain decoding"),
-    compile: Optional[bool] = typer.Option(None, help="torch.compile the forward (CUDA): ~2.5x faster decoding after 10-45 s of compiling [default: from 2048 new tokens on]"),
+    compile: Optional[bool] = typer.Option(None, help="compile for throughput: torch.compile the forward (CUDA), ~2.5x faster decoding after 10-45 s of compiling; JAX: prefill's own program beside the cycle's [default: from 2048 new tokens on]"),
     tensor_parallel: int = typer.Option(1, help="split the model over N devices (torch: launch with torchrun --nproc-per-node N; JAX: this process's first N devices)"),
     tp_parts: Optional[int] = typer.Option(None, help="compute each split weight in P parts on any device count dividing P, so 1..P devices decode identical tokens (costs launches)"),
     fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight"),
@@ -301,7 +301,7 @@ def _gate_engines(engine, path, device, dtype, k_max, context, invariant, hidden
     jax_engine = loaded.engine
     return (gates.jax_engines(jax_engine, k_max=k_max, invariant=invariant, hidden_layers=hidden_layers),
             lambda rows: JaxEngine(jax_engine.cfg, jax_engine.params, batch=rows, max_seq_len=context, k_max=2,
-                                   hidden_layers=hidden_layers))
+                                   hidden_layers=hidden_layers, prefill_chunk=jax_engine.prefill_chunk))
 
 
 @app.command()
@@ -319,7 +319,7 @@ def bench(
     peer: bool = typer.Option(True, help="also run transformers' generate: plain and prompt lookup at each K"),
     eagle3: Optional[Path] = typer.Option(None, help="an EAGLE-3 head directory: also run it at each K"),
     invariant: bool = typer.Option(True, help="row-invariant forwards: speculative output identical to plain decoding"),
-    compile: bool = typer.Option(True, help="torch.compile the torch engine's forward on CUDA (during the warm-up, not timed)"),
+    compile: bool = typer.Option(True, help="torch.compile the torch engine's forward on CUDA; the JAX engine's prefill in a program of its own (during the warm-up, not timed)"),
     fp8: bool = typer.Option(False, help="our engines' linears in FP8, a scale per output row; transformers keeps the checkpoint's weights"),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="run each engine in a process of its own [default: on a GPU, with several engines]"),
     out: Path = typer.Option(Path("specdec-bench.json"), help="JSON results to write"),
@@ -383,7 +383,7 @@ def serve(
     speculative_config: Optional[str] = typer.Option(None, help='JSON as vLLM\'s, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}\'; absent: plain decoding'),
     served_model_name: Optional[str] = typer.Option(None, help="the model name requests use [default: the checkpoint directory's name]"),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
-    compile: bool = typer.Option(True, help="torch.compile the forward (torch on CUDA)"),
+    compile: bool = typer.Option(True, help="torch.compile the forward (torch on CUDA); JAX: prefill in a program of its own"),
     fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight"),
 ):
     """Serve the OpenAI API (completions and chat, streamed or whole) from one warm engine, batching

@@ -535,7 +535,8 @@ def jax_engines(engine, k_max: int = 8, invariant: bool = True, hidden_layers: t
         EngineUnderTest(
             name="jax",
             build=lambda k: JaxEngine(engine.cfg, engine.params, batch=1, max_seq_len=engine.max_seq_len, k_max=k,
-                                      invariant=invariant, hidden_layers=hidden_layers),
+                                      invariant=invariant, hidden_layers=hidden_layers,
+                                      prefill_chunk=engine.prefill_chunk),
             plain_decode=lambda verifier, prompt, n: verifier.generate_fused(prompt, n),
             k_max=k_max,
             invariant=invariant,

@@ -711,22 +711,26 @@ def _write_kv(cache: Cache, index: int, slots, k, v, heads: tuple[int, int] | No
                                                                                    unique_indices=True)
 
 
-def _commit(cfg: GemmaConfig, cache: Cache, writes: dict, positions, x) -> Cache:
+def _commit(cfg: GemmaConfig, cache: Cache, writes: dict, positions, x, counts=None) -> Cache:
     """Write this chunk's keys/values and positions into their slots (the last `slots` tokens when the
-    chunk is longer than a ring).
+    chunk is longer than a ring); with `counts` [B], each row's first counts[b] tokens only.
 
     The slots are made to depend on the final hidden states x, which every read of the old cache feeds: XLA
     then orders the in-place writes after those reads instead of copying the whole cache to write it early.
     A row whose hidden states are not finite commits nothing (its slots point past the end and are dropped).
     """
-    B = positions.shape[0]
+    B, T = positions.shape
     rows = jnp.arange(B)[:, None]
-    finite = jnp.isfinite(x).all(axis=(1, 2))[:, None]
+    kept = jnp.isfinite(x).all(axis=(1, 2))[:, None]
+    if counts is not None:
+        if T > min(p.shape[1] for p in cache["slot_pos"].values()):
+            raise ValueError(f"a chunk of {T} tokens with counts is longer than a ring: its last slots' tokens may be pads")
+        kept = kept & (jnp.arange(T) < counts[:, None])
     keys, values, slot_pos = list(cache["keys"]), list(cache["values"]), dict(cache["slot_pos"])
     for kind in KINDS:
         n = slot_pos[kind].shape[1]
         pos = positions[:, -n:]
-        slot = jnp.where(finite, pos % n, n)
+        slot = jnp.where(kept[:, -n:], pos % n, n)
         scatter = dict(mode="drop", unique_indices=True)
         for index, (k, v) in writes.items():
             if cfg.layers[index].kind != kind:
@@ -750,15 +754,19 @@ def forward(
     commit_first: bool = False,
     parts: Parts | None = None,
     head_barrier: bool = False,
+    counts=None,
 ):
     """Run tokens [B, T] at positions [B, T] (contiguous per row) against the cache and commit them.
     Returns (float32 logits [B, T, V] ([B, 1, V] with last_only), the hidden states after `hidden_layers`
     [B, T, len(hidden_layers), H] or None, the new cache). `commit_first` runs it as a decode forward
     (module docstring); it needs T <= decode_width(k_max) of the cache's ring. `parts`: in tensor-parallel parts,
-    inside shard_map (Parts); decode forwards only (the engines' forwards are all decode forwards).
-    `head_barrier`: final_logits' `barrier`."""
+    inside shard_map (Parts); decode forwards only. `head_barrier`: final_logits' `barrier`. `counts` [B], a
+    prefill forward's: each row commits its first counts[b] tokens and computes the rest (pads) without storing
+    them, so pads take no slot (T at most the smallest cache's slots)."""
     if parts is not None and not commit_first:
         raise ValueError("a forward in tensor-parallel parts commits first (a decode forward)")
+    if counts is not None and commit_first:
+        raise ValueError("a decode forward commits every token first: counts are a prefill forward's")
     dtype = params["embed_tokens.weight"].dtype
     x = _lookup(params, cfg, "embed_tokens.weight", tokens, parts) * jnp.asarray(cfg.hidden_size**0.5, dtype)
     per_layer = _per_layer_inputs(params, cfg, tokens, x, parts) if cfg.has_per_layer_inputs else None
@@ -777,7 +785,7 @@ def forward(
                                    next_norm, next_weights)
         if spec.index in hidden_layers:
             taps[spec.index] = x
-    new_cache = cache if commit_first else _commit(cfg, cache, writes, positions, x)
+    new_cache = cache if commit_first else _commit(cfg, cache, writes, positions, x, counts)
     hidden = jnp.stack([taps[i] for i in hidden_layers], axis=2) if hidden_layers else None
     logits = final_logits(params, cfg, x[:, -1:] if last_only else x, parts=parts, barrier=head_barrier)
     return logits, hidden, new_cache

@@ -52,7 +52,7 @@ class ServeConfig:
     served_model_name: str | None = None  # None: the checkpoint directory's name
     dtype: str | None = None
     fp8: bool = False  # FP8 linears (specdec.models.fp8)
-    compile: bool = True  # torch on CUDA: torch.compile the forward (a server decodes long enough to repay it)
+    compile: bool = True  # torch on CUDA: torch.compile the forward; JAX: prefill's own program (a server repays both)
 
 
 class ModelServer:

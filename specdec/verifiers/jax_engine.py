@@ -9,11 +9,15 @@
 - `verify` pads T up to its bucket; the cache is donated, so XLA updates it in place. Padding is
   harmless: padded tokens sit after the real ones (causal), and the slots they take are those of a
   full-width verify, which the ring is sized for.
-- Prompts prefill through the same decode forward, a forward's width of tokens at a time, all rows
-  together. Pads are harmless for the same reason: a pad written at position p takes the ring slot of
-  p - slots, which stays outside every later query's window while p is within the decode width of the next
-  real token. `JaxFusedCycle` prefills inside its cycle program (`decode_step`'s prefill cycles), so a run
-  compiles one program holding the forward, not two: XLA spends seconds on each copy of the forward.
+- Prompts prefill all rows together, in one of two ways (`prefill_chunk`). By default through the same decode
+  forward, a forward's width of tokens at a time. Pads are harmless for the same reason: a pad written at
+  position p takes the ring slot of p - slots, which stays outside every later query's window while p is
+  within the decode width of the next real token. `JaxFusedCycle` then prefills inside its cycle program
+  (`decode_step`'s prefill cycles), so a run compiles one program holding the forward, not two: XLA spends
+  seconds on each copy of the forward, which a one-off command waits for. With `prefill_chunk`, prefill runs
+  a forward of its own over chunks that many tokens wide (jax_gemma's prefill forward; its pads store nothing
+  and its LM head is never computed): a second program to compile, and a prompt's prefill in a forward or two
+  rather than one decode cycle per decode width of it, for engines that serve many prompts.
 - `generate_fused` runs the whole decode in one `lax.while_loop` dispatch. Its body, `decode_step`, is one
   draft -> verify -> accept -> commit cycle, greedy or sampled (lossless rejection sampling, each row's draws
   keyed by its seed, in the loop's state, and its position); with no drafter it is plain decoding (k = 0). A
@@ -57,6 +61,10 @@ from specdec.protocol import VerifyOutput
 from specdec.sampling import SamplingParams, seed_words
 
 TP_AXIS = "tp"
+# Tokens per row in a forward of prefill's own (JaxEngine's prefill_chunk). An H200's bf16 GEMMs turn from reading
+# weights to computing near 200 rows at peak rates (989 TFLOP/s over 4.8 TB/s, 2 bytes a weight): a chunk of 128
+# still costs about what a decode step's weights do, where wider ones would cost a short prompt more.
+PREFILL_CHUNK = 128
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------------
@@ -243,12 +251,17 @@ class JaxEngine:
         lookahead: int = 0,
         allocate_cache: bool = True,
         tp_parts: int | None = None,
+        prefill_chunk: int | None = None,
     ):
         """`lookahead`: extra sliding-ring slots for decode forwards chained past the committed length
         (GemmaConfig.cache_slots), for an engine that drafts (specdec.drafters.model). `allocate_cache`
         False: the caller makes the cache (from_checkpoint's background transfer, beside the weights).
         `tp_parts`: compute every split weight in that many parts over the mesh (one device without one), so that
-        every mesh of a size dividing it computes the same bits (config.check_tp_parts)."""
+        every mesh of a size dividing it computes the same bits (config.check_tp_parts). `prefill_chunk`: prefill
+        through a forward of its own, chunks of that many tokens (PREFILL_CHUNK, the usual choice, or fewer: no
+        more than the cache's smallest ring); None: through the decode forward (module docstring). Plain and speculative runs of
+        one engine prefill alike either way, but the two ways round differently: their text can differ at
+        near-ties."""
         for layer in hidden_layers:
             if not 0 <= layer < cfg.num_layers:
                 raise SpecdecError(f"hidden layer {layer} out of range (the model has {cfg.num_layers} layers)")
@@ -267,6 +280,14 @@ class JaxEngine:
             check_tp_parts(cfg, tp_parts, mesh.shape[TP_AXIS])
             self.parts = Parts(tp_parts, mesh.shape[TP_AXIS], TP_AXIS)
         self.mesh = mesh
+        if prefill_chunk is not None:
+            if self.parts is not None:
+                raise SpecdecError("prefill's own forward does not run in tensor-parallel parts: prefill_chunk=None")
+            if prefill_chunk < 1:
+                raise SpecdecError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+            # A chunk's tokens take distinct slots of every cache (jax_gemma.forward's counts)
+            prefill_chunk = min(prefill_chunk, *cfg.cache_slots(max_seq_len, k_max, lookahead).values())
+        self.prefill_chunk = prefill_chunk
         self.fp8 = is_fp8(params)
         if self.fp8 and self.parts is not None and jax.default_backend() == "gpu":
             # PARTS_GPU_XLA_FLAGS turn XLA's Triton GEMMs off, and cuBLAS takes no FP8 weight beside bf16 rows
@@ -306,6 +327,7 @@ class JaxEngine:
         # per program (0.4-0.6 s of a cold start for the 270M), and XLA inlines the call.
         self._forward = jax.jit(self._decode_forward)
         self._verify_fn = jax.jit(self._forward, donate_argnums=1)
+        self._prefill_fn = jax.jit(self._prefill_forward, donate_argnums=1)
         self._reset_fn = jax.jit(self._reset, donate_argnums=0)
         self._reset_row_fn = jax.jit(self._reset_row, donate_argnums=0)
         self._decode_fns: dict[tuple, Callable] = {}  # compiled decode loops and steps (see _decode_fn)
@@ -399,6 +421,13 @@ class JaxEngine:
                                    commit_first=True, head_barrier=True)
             logits, hidden, cache = run(params, tokens, positions, cache)
         return logits, hidden, self._constrain(cache)
+
+    def _prefill_forward(self, params, cache, tokens, lengths, counts):
+        """Prefill's own forward (`prefill_chunk`): row b commits its first counts[b] tokens, and only the hidden
+        states of `hidden_layers` leave it, so XLA drops the LM head."""
+        positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        _, hidden, cache = forward(params, self.cfg, tokens, positions, cache, self.hidden_layers, counts=counts)
+        return hidden, self._constrain(cache)
 
     def _reset(self, cache: Cache) -> Cache:
         """Every slot empty again."""
@@ -556,14 +585,33 @@ class JaxEngine:
         if len(prompt) + self.width > self.max_seq_len:
             raise SpecdecError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens")
 
+    @property
+    def prefill_width(self) -> int:
+        """Tokens per row in each of prefill's forwards."""
+        return self.prefill_chunk or self.buckets[-1]
+
+    def _prefill_program(self, params, cache, tokens, lengths, counts):
+        """One of prefill's forwards -> (hidden states of hidden_layers or None, the cache): prefill's own
+        (`prefill_chunk`), or the host-driven verify's decode forward, where pads commit harmlessly (_feed)."""
+        if self.prefill_chunk is not None:
+            return self._prefill_fn(params, cache, tokens, lengths, counts)
+        _, hidden, cache = self._verify_fn(params, cache, tokens, lengths)
+        return hidden, cache
+
+    def lower_prefill(self):
+        """Prefill's program lowered against the shapes of the weights and cache (JaxFusedCycle.compile_ahead)."""
+        chunk = jax.ShapeDtypeStruct((self.batch, self.prefill_width), jnp.int32)
+        if self.prefill_chunk is not None:
+            return self._prefill_fn.lower(self.param_shapes, self.cache_shapes, chunk, self.lengths, self.lengths)
+        return self._verify_fn.lower(self.param_shapes, self.cache_shapes, chunk, self.lengths)
+
     def _feed(self, contexts: dict[int, list[int]]) -> None:
-        """Commit tokens into rows (row -> tokens) through the decode forward, a forward's width at a time.
-        The compiled forward is the host-driven verify's (JaxFusedCycle's cycle program prefills in its
-        own cycles instead, decode_step's prefill cycles, which build their chunks as this does). Pads fill
-        the rest of each forward, and the other rows run pads too: all of them lie within one forward's
-        width past their row's committed length, which is what rejected drafts take and what the
-        sliding-window ring is sized for."""
-        chunk = self.buckets[-1]
+        """Commit tokens into rows (row -> tokens), prefill_width at a time. Pads fill the rest of each forward,
+        and the other rows run pads too. Prefill's own forward stores none of them. Through the decode forward
+        (the host-driven verify's, whose chunks JaxFusedCycle's prefill cycles build as this does), they all lie
+        within one forward's width past their row's committed length, which is what rejected drafts take and
+        what the sliding-window ring is sized for."""
+        chunk = self.prefill_width
         longest = max(len(ids) for ids in contexts.values())
         hidden_chunks = []
         for start in range(0, longest, chunk):
@@ -574,8 +622,10 @@ class JaxEngine:
                 tokens[row, : len(part)] = part
                 advance[row] = len(part)
             self.dispatches += 1
-            _, hidden, self.cache = self._verify_fn(self.params, self.cache, jnp.asarray(tokens), self.lengths)
-            self.lengths = self.lengths + jnp.asarray(advance)
+            advance = jax.device_put(advance)
+            hidden, self.cache = self._prefill_program(self.params, self.cache, jnp.asarray(tokens), self.lengths,
+                                                       advance)
+            self.lengths = self.lengths + advance
             hidden_chunks.append(hidden)
         if self.hidden_layers:
             n, H = len(self.hidden_layers), self.cfg.hidden_size
@@ -764,7 +814,8 @@ class JaxFusedCycle:
         self.cycles_per_call = cycles_per_call
         # decode_step prefills in a forward as wide as prefill's chunks, which a stateful drafter's begin
         # (from prefill's hidden states) cannot wait for.
-        self._prefills_in_cycle = not _stateful(self.draft_fn) and engine._bucket(k + 1) == engine.buckets[-1]
+        self._prefills_in_cycle = (engine.prefill_chunk is None and not _stateful(self.draft_fn)
+                                   and engine._bucket(k + 1) == engine.buckets[-1])
         self.decode_cycles_in_start = 0  # decode cycles the last start ran with its prefill, handed out first by step
         self._compiling: list[Future] = []  # compile_ahead's compilations under way
         self.device_cycles = 0  # cycles of the calls whose results were read, cycles_per_call each (prefill's too)
@@ -779,9 +830,9 @@ class JaxFusedCycle:
 
     def compile_ahead(self, stop: StopCondition) -> None:
         """Start compiling what a run needs, in threads, and return: `start` waits for it. That is this
-        cycle's program, which prefills too; or, where prefill runs on its own (a forward narrower than
-        prefill's chunks), that forward as well, the two side by side; and the cache's reset, which start
-        runs first. The programs are lowered here (which holds the GIL) against the shapes of the weights, the
+        cycle's program, which prefills too; or, where prefill runs on its own (the engine's prefill_chunk, a
+        stateful drafter, or a forward narrower than prefill's chunks), prefill's program as well, the two side
+        by side; and the cache's reset, which start runs first. The programs are lowered here (which holds the GIL) against the shapes of the weights, the
         cache and the state the real calls build (eval_shape of the same code), so they need not wait for the
         transfer of the weights and cache, which starts next, and those calls find them compiled; XLA compiles
         without the GIL. Prompt lengths do not enter the programs. A stateful drafter's state takes its shape
@@ -798,8 +849,7 @@ class JaxFusedCycle:
         lowered = [self._steps.lower(engine.param_shapes, state, *stop_arrays, None),
                    engine._reset_fn.lower(engine.cache_shapes)]  # start empties the cache first
         if not self._prefills_in_cycle:
-            chunk = jax.ShapeDtypeStruct((engine.batch, engine.buckets[-1]), jnp.int32)
-            lowered.append(engine._verify_fn.lower(engine.param_shapes, engine.cache_shapes, chunk, engine.lengths))
+            lowered.append(engine.lower_prefill())
         pool = ThreadPoolExecutor(len(lowered))
         self._compiling = [pool.submit(program.compile) for program in lowered]
         pool.shutdown(wait=False)
@@ -814,7 +864,7 @@ class JaxFusedCycle:
     def start(self, prompts: list[list[int]], stop: StopCondition) -> None:
         """Prefill: where it can, inside the cycle program, whose calls that hold the prefill cycles run here
         (the decode cycles that end the last of them wait for `step`: `decode_cycles_in_start`); else
-        through prefill's own forward."""
+        through the engine's `prefill`."""
         self.wait_compiled()
         self._rows = self._budget = None  # a state for these prompts alone
         self._admitting = {}

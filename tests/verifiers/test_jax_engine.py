@@ -17,7 +17,7 @@ import pytest
 from specdec.errors import SpecdecError
 from specdec.models.config import PARTS_GPU_XLA_FLAGS, with_parts_xla_flags
 from specdec.protocol import Verifier
-from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
+from specdec.verifiers.jax_engine import PREFILL_CHUNK, JaxEngine, JaxFusedCycle
 
 VARIANT = "gemma4_e"  # per-layer inputs, KV-shared layers, double-wide MLPs
 K_MAX = 4
@@ -40,6 +40,12 @@ def float32_products():
 @pytest.fixture(scope="module")
 def engine(random_checkpoints):
     return JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=1024, k_max=K_MAX)
+
+
+@pytest.fixture(scope="module")
+def chunked(engine):
+    """The same weights prefilling through a forward of their own (prefill_chunk, capped at the 64-slot ring)."""
+    return JaxEngine(engine.cfg, engine.params, max_seq_len=1024, k_max=K_MAX, prefill_chunk=PREFILL_CHUNK)
 
 
 @pytest.fixture(scope="module")
@@ -105,24 +111,27 @@ def test_device_drafter_inside_the_loop_keeps_greedy_output(engine, reference):
     assert int(state.cycles[0]) < n // 2
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("background", [False, True])
-def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints, caplog, temperature, background):
+@pytest.mark.parametrize("temperature, background, prefill_chunk", [
+    (0.0, False, None), (0.0, True, None), (0.8, False, None), (0.8, True, None), (0.0, True, PREFILL_CHUNK)])
+def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints, caplog, temperature, background,
+                                                             prefill_chunk):
     """A first run compiles one program holding the forward, the fused cycle's, which prefills too, and the
-    cache's reset. They are lowered against the shapes of the weights and the cache, before those reach the
-    device where the engine moves them in the background; the run with them then finds both compiled (or finds
-    them in the persistent cache, which other tests may have filled) and compiles neither again."""
+    cache's reset; with prefill_chunk, prefill's own program as well. They are lowered against the shapes of the
+    weights and the cache, before those reach the device where the engine moves them in the background; the run
+    with them then finds them compiled (or finds them in the persistent cache, which other tests may have filled)
+    and compiles none again."""
     from specdec.drafters.ngram import NgramDrafter
     from specdec.generate import StopCondition, run_cycles
     from specdec.sampling import SamplingParams
     from specdec.verifiers.jax_engine import JaxFusedCycle
 
     fresh = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=256, k_max=K_MAX,
-                                      background=background)
+                                      background=background, prefill_chunk=prefill_chunk)
     sampling = SamplingParams(temperature=temperature, seed=2)
     cycle = JaxFusedCycle(fresh, NgramDrafter().device_draft_fn("jax", K_MAX), K_MAX, sampling)
-    compiled = re.compile(r"Finished XLA compilation of jit\((steps|_decode_forward|_reset)\)|"
-                          r"Persistent compilation cache hit for 'jit_(steps|_decode_forward|_reset)'")
+    programs = "steps|_decode_forward|_prefill_forward|_reset"
+    compiled = re.compile(rf"Finished XLA compilation of jit\(({programs})\)|"
+                          rf"Persistent compilation cache hit for 'jit_({programs})'")
     stop = StopCondition(12)
     jax.config.update("jax_log_compiles", True)  # globally: a config context would not reach the compiling threads
     try:
@@ -135,7 +144,7 @@ def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints,
         during_run = [m for m in caplog.messages if compiled.search(m)]
     finally:
         jax.config.update("jax_log_compiles", False)
-    assert ahead == {"steps", "_reset"}
+    assert ahead == {"steps", "_reset"} | ({"_prefill_forward"} if prefill_chunk else set())
     assert during_run == []
     assert len(ours) == 12
     if temperature == 0.0:
@@ -191,6 +200,67 @@ def test_fused_cycle_prefills_in_its_own_program_as_prefill_does(engine, tempera
     assert 0 < run.stats.untimed_kept < run.stats.kept
     calls = engine.dispatches - before
     assert calls == -(-(13 + run.stats.cycles) // 3) and run.stats.timed_device_cycles == 3 * (calls - 5)
+
+
+def test_prefill_in_its_own_forward_commits_what_the_decode_forward_does(engine, chunked, reference):
+    """PROMPT's 102 committed tokens in two forwards of 64 (the second with 26 pads), against 13 decode forwards
+    of 8: the same positions in the same slots, keys and values within float32 rounding, no pad stored (the
+    decode forwards store two), and the same greedy tokens."""
+    assert chunked.prefill_chunk == 64 and chunked.prefill_width == 64
+    before = chunked.dispatches
+    engine.prefill([PROMPT])
+    chunked.prefill([PROMPT])
+    assert chunked.dispatches - before == 2
+    committed = len(PROMPT) - 1
+    for kind in engine.cache["slot_pos"]:
+        theirs, ours = np.asarray(engine.cache["slot_pos"][kind]), np.asarray(chunked.cache["slot_pos"][kind])
+        assert theirs.max() == committed + 1 and ours.max() == committed - 1
+        real = (theirs >= 0) & (theirs < committed)
+        assert np.array_equal(ours[real], theirs[real]) and (ours[~real] < committed).all()
+        for index, spec in enumerate(engine.cfg.layers):
+            if spec.kind != kind or not spec.owns_cache:
+                continue
+            for name in ("keys", "values"):
+                if engine.cache[name][index] is not None:
+                    a, b = (np.asarray(c[name][index])[:, :, real[0]] for c in (engine.cache, chunked.cache))
+                    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    assert chunked.generate(PROMPT, 48) == reference[:48]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_fused_cycle_prefills_before_its_cycles_with_prefill_chunk(chunked, temperature):
+    """With prefill's own forward the cycle program prefills nothing: start runs prefill's two forwards, and every
+    cycle the program runs is a decode cycle, timed. Its tokens are the host-prefilled while_loop's, greedy and
+    sampled, and greedy ones the step-by-step decode's."""
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.generate import StopCondition, run_cycles
+    from specdec.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, seed=5)
+    draft_fn = NgramDrafter().device_draft_fn("jax", K_MAX)
+    expected = chunked.generate_fused(PROMPT, 40, draft_fn=draft_fn, sampling=sampling)
+    if temperature == 0.0:
+        assert expected == chunked.generate(PROMPT, 40)
+    cycle = JaxFusedCycle(chunked, draft_fn, K_MAX, sampling, cycles_per_call=3, prefetch=False)
+    before = chunked.dispatches
+    run = run_cycles(cycle, [PROMPT], K_MAX, StopCondition(40))
+    assert run.tokens[0] == expected
+    assert cycle.decode_cycles_in_start == 0 and run.stats.untimed_kept == 0
+    assert chunked.dispatches - before == 2 + -(-run.stats.cycles // 3)
+
+
+def test_prefill_forward_refuses_counts_it_cannot_honour(engine):
+    """Counts are a prefill forward's, over chunks whose tokens each take a slot of their own."""
+    from specdec.models.jax_gemma import forward
+
+    tokens = jnp.full((1, 65), 3, jnp.int32)
+    positions = jnp.arange(65, dtype=jnp.int32)[None]
+    counts = jnp.asarray([65], jnp.int32)
+    with pytest.raises(ValueError, match="counts are a prefill forward's"):
+        forward(engine.params, engine.cfg, tokens[:, :8], positions[:, :8], engine.cache, commit_first=True,
+                counts=counts)
+    with pytest.raises(ValueError, match="longer than a ring"):
+        forward(engine.params, engine.cfg, tokens, positions, engine.cache, counts=counts)
 
 
 def test_fused_cycle_prefills_rows_of_different_lengths_together(engine):
@@ -264,6 +334,10 @@ def test_bad_input(engine):
         JaxFusedCycle(engine, None, 0).admit(0, [2, 5, 7], 8)
     with pytest.raises(SpecdecError, match="does not fit the context of 1024"):  # checked when admitted
         JaxFusedCycle(engine, None, 0, cycles_per_call=1).admit(0, list(range(3, 1100)), 8)
+    with pytest.raises(SpecdecError, match="prefill_chunk must be >= 1, got 0"):
+        JaxEngine(engine.cfg, engine.params, k_max=K_MAX, prefill_chunk=0)
+    with pytest.raises(SpecdecError, match="does not run in tensor-parallel parts"):
+        JaxEngine(engine.cfg, engine.params, k_max=K_MAX, tp_parts=2, prefill_chunk=PREFILL_CHUNK)
 
 
 TP_SCRIPT = textwrap.dedent(

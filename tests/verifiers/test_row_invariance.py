@@ -30,16 +30,23 @@ def torch_engine(path, dtype, batch=1, invariant=True, device="cpu", fp8=False):
     return TorchEngine(model, batch=batch, max_seq_len=128, k_max=K_MAX, hidden_layers=TAPS, invariant=invariant)
 
 
-def jax_engine(path, dtype, batch=1, invariant=True):
+def jax_engine(path, dtype, batch=1, invariant=True, prefill_chunk=None):
     import jax.numpy as jnp
 
     from specdec.verifiers.jax_engine import JaxEngine
 
     return JaxEngine.from_checkpoint(path, dtype=getattr(jnp, dtype), batch=batch, max_seq_len=128, k_max=K_MAX,
-                                     hidden_layers=TAPS, invariant=invariant)
+                                     hidden_layers=TAPS, invariant=invariant, prefill_chunk=prefill_chunk)
 
 
-ENGINES = {"torch": torch_engine, "jax": jax_engine}
+def jax_engine_prefill_chunk(path, dtype, batch=1, invariant=True):
+    """Prefill through a forward of its own, as `specdec.load(compile=True)` gives a server."""
+    from specdec.verifiers.jax_engine import PREFILL_CHUNK
+
+    return jax_engine(path, dtype, batch, invariant, prefill_chunk=PREFILL_CHUNK)
+
+
+ENGINES = {"torch": torch_engine, "jax": jax_engine, "jax_prefill_chunk": jax_engine_prefill_chunk}
 
 
 def host(array) -> np.ndarray:
