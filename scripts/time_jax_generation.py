@@ -4,6 +4,10 @@ wait at the end). Where decode per token exceeds the device's pace, the host or 
 
     python scripts/time_jax_generation.py --config 270m.json --contexts 333,1024 [--out timings.json]
     python scripts/time_jax_generation.py --target DIR --contexts 333
+    python scripts/time_jax_generation.py --config 270m.json --prefill-chunks 0,128 --prompt-tokens 14,100,400
+        [--cycles-per-call 1] [--plot prefill.png]
+
+`--prefill-chunks`: each engine's prefill_chunk (0: through the decode forward, inside the cycle's program).
 
 Random weights cost what real ones do (shapes, not values, set a kernel's time).
 """
@@ -11,6 +15,7 @@ Random weights cost what real ones do (shapes, not values, set a kernel's time).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -25,6 +30,10 @@ from specdec.generate import StopCondition, run_cycles
 from specdec.models.config import FULL, GemmaConfig
 from specdec.models.jax_gemma import load_params, random_params
 from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
 
 
 def time_generations(cycle: JaxFusedCycle, prompt: list[int], tokens: int, runs: int) -> list[dict]:
@@ -83,11 +92,14 @@ def main() -> int:
     source.add_argument("--target", type=Path, help="an imported checkpoint directory")
     source.add_argument("--config", type=Path, help="a config.json: random weights at its shapes")
     parser.add_argument("--contexts", default="333,1024", help="comma-separated contexts (the engine's max_seq_len)")
-    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--prompt-tokens", default="100", help="comma-separated prompt lengths")
+    parser.add_argument("--prefill-chunks", default="0", help="comma-separated prefill_chunk values (0: none)")
+    parser.add_argument("--cycles-per-call", type=int, default=8, help="the fused cycle's")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens a generation")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--k-max", type=int, default=4, help="the engine's k_max (sets the invariant width)")
     parser.add_argument("--out", type=Path, help="JSON of the timings")
+    parser.add_argument("--plot", type=Path, help="PNG: median prefill ms by prompt length, a line per engine")
     args = parser.parse_args()
 
     compile_cache.enable_jax()
@@ -96,27 +108,59 @@ def main() -> int:
     else:
         cfg = GemmaConfig.from_file(args.config)
         params = random_params(cfg, jax.random.key(0), pack=True)
-    prompt = [int(t) for t in np.random.default_rng(0).integers(3, min(20000, cfg.vocab_size), args.prompt_tokens)]
+    tokens = np.random.default_rng(0).integers(3, min(20000, cfg.vocab_size), max(ints(args.prompt_tokens)))
     rows = []
-    for context in (int(c) for c in args.contexts.split(",")):
-        engine = JaxEngine(cfg, params, max_seq_len=context, k_max=args.k_max)
-        cycle = JaxFusedCycle(engine, None, 0)
+    for context, chunk in ((c, k) for c in ints(args.contexts) for k in ints(args.prefill_chunks)):
+        engine = JaxEngine(cfg, params, max_seq_len=context, k_max=args.k_max, prefill_chunk=chunk or None)
+        cycle = JaxFusedCycle(engine, None, 0, cycles_per_call=args.cycles_per_call)
         slots = int(engine.cache["slot_pos"][FULL].shape[1])
-        generations = time_generations(cycle, prompt, args.tokens, args.runs)
-        pace = device_pace(cycle, prompt, calls=20)
-        for g in generations:
-            print(f"context {context} ({slots} slots): prefill {g['prefill_ms']:.1f} ms, decode {g['decode_ms']:.1f} ms"
-                  f" ({g['decode_ms_per_token']:.3f} a token), {g['calls']} calls, dispatch"
-                  f" {g['dispatch_ms_per_call']:.2f} ms a call, reads {g['read_ms']:.1f} ms", flush=True)
-        print(f"context {context} ({slots} slots): the device alone {pace:.3f} ms a cycle", flush=True)
-        rows.append({"context": context, "slots": slots, "generations": generations, "device_ms_per_cycle": pace})
+        for length in ints(args.prompt_tokens):
+            prompt = [int(t) for t in tokens[:length]]
+            generations = time_generations(cycle, prompt, args.tokens, args.runs)
+            pace = device_pace(cycle, prompt, calls=20)
+            name = f"context {context} ({slots} slots), prefill_chunk {engine.prefill_chunk}, prompt {length}"
+            for g in generations:
+                print(f"{name}: prefill {g['prefill_ms']:.2f} ms, decode {g['decode_ms']:.1f} ms"
+                      f" ({g['decode_ms_per_token']:.3f} a token), {g['calls']} calls, dispatch"
+                      f" {g['dispatch_ms_per_call']:.2f} ms a call, reads {g['read_ms']:.1f} ms", flush=True)
+            print(f"{name}: the device alone {pace:.3f} ms a cycle", flush=True)
+            rows.append({"context": context, "slots": slots, "prefill_chunk": engine.prefill_chunk,
+                         "prompt_tokens": length, "cycles_per_call": args.cycles_per_call, "generations": generations,
+                         "device_ms_per_cycle": pace})
+    print(f"{'context':>8} {'prefill_chunk':>13} {'prompt':>6} {'prefill ms':>10} {'decode ms/token':>15}")
+    for row in rows:
+        medians = {key: float(np.median([g[key] for g in row["generations"]]))
+                   for key in ("prefill_ms", "decode_ms_per_token")}
+        print(f"{row['context']:>8} {str(row['prefill_chunk']):>13} {row['prompt_tokens']:>6} "
+              f"{medians['prefill_ms']:>10.2f} {medians['decode_ms_per_token']:>15.3f}")
     if args.out:
         args.out.write_text(json.dumps({
             "benchmark": "time_jax_generation", "date": now_utc(), "commit": git_commit(),
             "device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": str(args.target or args.config),
-            "weights": "checkpoint" if args.target else "random", "prompt_tokens": len(prompt), "tokens": args.tokens,
-            "rows": rows}, indent=1))
+            "weights": "checkpoint" if args.target else "random", "tokens": args.tokens, "rows": rows}, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
     return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (context, chunk), group in itertools.groupby(rows, key=lambda r: (r["context"], r["prefill_chunk"])):
+        group = list(group)
+        ax.plot([r["prompt_tokens"] for r in group],
+                [np.median([g["prefill_ms"] for g in r["generations"]]) for r in group], marker="o",
+                label=f"context {context}, " + (f"prefill_chunk {chunk}" if chunk else "prefill in the cycle"))
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill, ms (median)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -25,3 +25,20 @@ def test_generations_are_timed_whole(random_checkpoints):
         assert r["calls"] >= 20 / cycle.cycles_per_call and r["decode_ms"] > 0 and r["prefill_ms"] > 0
     assert cycle._dispatch.__func__ is JaxFusedCycle._dispatch  # the timing wrappers are taken off again
     assert script.device_pace(cycle, [5, 6, 7], calls=2) > 0
+
+
+def test_engines_of_each_prefill_chunk_are_timed_by_prompt_length(random_checkpoints, tmp_path, monkeypatch):
+    """--prefill-chunks 0,64 --prompt-tokens 5,70: four rows, each engine's prefill_chunk recorded (the second
+    prompt in two of its chunks), and the plot of prefill by prompt length."""
+    script = load_script("time_jax_generation")
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    monkeypatch.setattr("sys.argv", ["time_jax_generation", "--config", str(random_checkpoints["gemma3"] / "config.json"),
+                                     "--contexts", "128", "--prefill-chunks", "0,64", "--prompt-tokens", "5,70",
+                                     "--tokens", "8", "--runs", "1", "--cycles-per-call", "2", "--out", str(out),
+                                     "--plot", str(png)])
+    assert script.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["prefill_chunk"], r["prompt_tokens"], r["cycles_per_call"]) for r in rows] == [
+        (None, 5, 2), (None, 70, 2), (64, 5, 2), (64, 70, 2)]
+    assert all(g["emitted"] == 8 and g["prefill_ms"] > 0 for r in rows for g in r["generations"])
+    assert png.read_bytes().startswith(b"\x89PNG")
