@@ -327,7 +327,7 @@ class TorchEngine:
     def graphed_prefill_widths(self) -> dict[int, int]:
         """Each width a prompt's first chunk can run padded at (`_prefill_width`) -> the longest chunk that runs at it.
         Later chunks replay these widths' graphs. At `bench`'s context of 333 positions the 270M's prompts of 321 to
-        324 tokens run at 384, past the longest chunk."""
+        324 tokens run unpadded: 384 would run past the context."""
         longest = self._longest_chunk()
         widths = {}
         for n in range(1, longest + 1):
@@ -390,16 +390,18 @@ class TorchEngine:
         """The tokens a prefill chunk of n runs as: n, or padded up to a multiple of PREFILL_WIDTH_STEP past
         SPLIT_MAX_ROWS where `pad_prefill` and the pads are harmless. Pads sit after the prompt (causal) at the
         positions the next decode forwards overwrite first, as rejected drafts do, so they must not wrap onto a
-        slot still inside a query's window: no pad past the full cache's slots, and on a sliding ring either no
-        wrap at all or no more pads than the ring's slots past the window (a pad at position p then takes the
-        slot of p - ring, before every later query's window)."""
+        slot still inside a query's window: no pad past the context (nor so past the full cache's slots, which
+        hold at least the context; nor past the RoPE tables, which hold the model's positions: at bench's context of
+        333 a pad at 333 indexed past them, on an H200), and on a sliding ring either no wrap at all or no more
+        pads than the ring's slots past the window (a pad at position p then takes the slot of p - ring, before
+        every later query's window)."""
         if not self.pad_prefill:
             return n
         width = round_up(max(n, SPLIT_MAX_ROWS + 1), PREFILL_WIDTH_STEP)
         end = start + width
         ring = self.cache.slots(SLIDING)
         fits_ring = end <= ring or width - n <= ring - self.cfg.sliding_window
-        return width if end <= self.cache.slots(FULL) and fits_ring else n
+        return width if end <= self.max_seq_len and fits_ring else n
 
     def _replay_prefill(self, key: tuple[int, int, int], rows: KVCache, tokens: torch.Tensor,
                         positions: torch.Tensor) -> torch.Tensor | None:

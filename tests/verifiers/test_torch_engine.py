@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.models.config import FULL
 from specdec.models.torch_gemma import GemmaModel
 from specdec.verifiers.torch_engine import PREFILL_CHUNK, TorchEngine
 
@@ -330,12 +331,22 @@ def test_graphed_prefill_commits_what_the_same_forward_does_ungraphed(random_che
 
 def test_prefill_warms_up_every_width_a_first_chunk_can_run_at(model):
     """A server captures its prefill graphs at start (`warm_up_prefill`), each width from the longest chunk that runs
-    at it: at a context of 350 positions the longest prompt, 342 tokens, runs padded at 384, past the longest chunk."""
+    at it: at a context of 350 positions, up to 320. The longest prompts (322-342 tokens) run unpadded, since 384
+    would run past the context."""
     engine = TorchEngine(model, max_seq_len=350, k_max=4)
     engine.pad_prefill = True
     widths = engine.graphed_prefill_widths()
-    assert set(widths) == {64, 128, 192, 256, 320, 384}
-    longest = 350 - engine.width - 1
-    for width, n in widths.items():
-        assert engine._prefill_width(0, n) == width and (n == longest or engine._prefill_width(0, n + 1) != width)
-    assert widths[384] == longest
+    assert widths == {64: 64, 128: 128, 192: 192, 256: 256, 320: 320}
+    assert engine._prefill_width(0, 321) == 321 and engine._prefill_width(0, 350 - engine.width - 1) == 341
+
+
+def test_no_pad_runs_past_the_context(random_checkpoints):
+    """A model built for 350 positions holds RoPE rows for those alone, while the full cache holds 384 slots: the
+    prompt of 336 tokens, padded to 384, would index past the rows (a device-side assert on an H200 at bench's
+    context of 333). It prefills unpadded, and decodes as the unpadded engine does."""
+    short = GemmaModel.from_checkpoint(random_checkpoints["gemma4_e"], max_seq_len=350)
+    plain, padded = (TorchEngine(short, max_seq_len=350, k_max=4) for _ in range(2))
+    padded.pad_prefill = True
+    assert padded.cache.slots(FULL) == 384
+    prompt = [2] + torch.randint(3, 500, (335,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert padded.greedy_decode(prompt, 6) == plain.greedy_decode(prompt, 6)
