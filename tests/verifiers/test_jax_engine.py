@@ -205,7 +205,10 @@ def test_fused_cycle_prefills_in_its_own_program_as_prefill_does(engine, tempera
 def test_prefill_in_its_own_forward_commits_what_the_decode_forward_does(engine, chunked, reference):
     """PROMPT's 102 committed tokens in two forwards of 64 (the second with 26 pads), against 13 decode forwards
     of 8: the same positions in the same slots, keys and values within float32 rounding, no pad stored (the
-    decode forwards store two), and the same greedy tokens."""
+    decode forwards store two), and the same greedy tokens. On a GPU the decode forward's Pallas kernels round
+    their float32 products otherwise than XLA's (an H200 differed past 1e-4): a wrong slot or position would
+    still differ by far more than the tolerance there."""
+    tolerance = dict(rtol=1e-4, atol=1e-5) if jax.default_backend() == "cpu" else dict(rtol=1e-2, atol=1e-2)
     assert chunked.prefill_chunk == 64 and chunked.prefill_width == 64
     before = chunked.dispatches
     engine.prefill([PROMPT])
@@ -223,7 +226,7 @@ def test_prefill_in_its_own_forward_commits_what_the_decode_forward_does(engine,
             for name in ("keys", "values"):
                 if engine.cache[name][index] is not None:
                     a, b = (np.asarray(c[name][index])[:, :, real[0]] for c in (engine.cache, chunked.cache))
-                    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+                    np.testing.assert_allclose(b, a, **tolerance)
     assert chunked.generate(PROMPT, 48) == reference[:48]
 
 
