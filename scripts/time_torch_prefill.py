@@ -4,7 +4,7 @@ The first call of a length is reported apart from the median of the rest (a widt
 there).
 
     python scripts/time_torch_prefill.py --config 270m.json --lengths 14,18,100,189,400,700 [--batch 8] [--out t.json]
-    python scripts/time_torch_prefill.py --target DIR --lengths 14,100
+    python scripts/time_torch_prefill.py --target DIR --lengths 14,100 [--no-graphs]
     python scripts/time_torch_prefill.py --records BEFORE.json AFTER.json ... --plot prefill.png
 
 Random weights cost what real ones do (shapes, not values, set a kernel's time).
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--batch", type=int, default=1, help="the engine's rows (a server's --max-num-seqs)")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--k-max", type=int, default=4)
+    parser.add_argument("--no-graphs", action="store_true", help="prefill ungraphed (TorchEngine's graph_prefill off)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path, help="PNG of prefill ms against prompt tokens")
     args = parser.parse_args(argv)
@@ -102,11 +103,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     else:
         cfg = GemmaConfig.from_file(args.config)
         model = GemmaModel.random(cfg, torch.bfloat16, "cuda", args.context)
-    engine = TorchEngine(model, batch=args.batch, max_seq_len=args.context, k_max=args.k_max)
+    engine = TorchEngine(model, batch=args.batch, max_seq_len=args.context, k_max=args.k_max,
+                         graph_prefill=not args.no_graphs)
     with torch.inference_mode():
         warm_up_s = timed_s(engine.warm_up_prefill)
         rows = time_prefills(engine, lengths, args.repeats)
-    record = {"device": torch.cuda.get_device_name(), "date": now_utc(), "commit": git_commit(),
+    record = {"device": torch.cuda.get_device_name(), "date": now_utc(), "commit": git_commit(), "graphs": not args.no_graphs,
               "torch": torch.__version__, "batch": args.batch, "context": args.context, "k_max": args.k_max,
               "weights": str(args.target) if args.target else f"random at {args.config.name}",
               "warm_up_s": warm_up_s, "prefills": rows}

@@ -76,6 +76,7 @@ def load(
     tp_parts: int | None = None,
     tokenizer_in_child: bool = False,
     fp8: bool = False,
+    graph_prefill: bool = False,
 ) -> Target:
     """Load a target for generation. Defaults: the embedded Gemma 3 270M, the PyTorch engine, CUDA in
     bf16 when there is a GPU, else CPU in fp32, row-invariant forwards (greedy speculative output is the
@@ -91,6 +92,9 @@ def load(
     runs. The JAX engine always compiles (and caches its programs on disk); `compile` gives it prefill's own
     program (JaxEngine's prefill_chunk, PREFILL_CHUNK tokens a forward), which a one-off command would wait for
     beside its cycle program. Either way plain and speculative runs of one target prefill alike.
+
+    `graph_prefill` (torch, compiled, on CUDA): prefill replayed as CUDA graphs, a prompt's prefill 4-5x shorter, but
+    every decode cycle of the process slower (TorchEngine's graph_prefill): for short requests.
 
     `tensor_parallel` > 1 splits the attention heads and MLP columns over that many devices. JAX: a mesh of
     this process's first devices. PyTorch: one process per device over torch.distributed, each of which calls
@@ -119,7 +123,7 @@ def load(
     # nothing (it holds the GIL: docs/benchmarks.md); in a child process it does.
     tokenizer = Tokenizer.from_dir(path, in_child=tokenizer_in_child)
     verifier, cfg = _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant,
-                                 compile, tensor_parallel, tp_parts, fp8)
+                                 compile, tensor_parallel, tp_parts, fp8, graph_prefill)
     target = Target(path, cfg, tokenizer, verifier, engine, time.perf_counter() - start, start)
     if not tokenizer_in_child:  # else generate checks, once its programs compile: the parse may be under way
         target.check_tokenizer()
@@ -127,7 +131,7 @@ def load(
 
 
 def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant, compile,
-                 tensor_parallel=1, tp_parts=None, fp8=False):
+                 tensor_parallel=1, tp_parts=None, fp8=False, graph_prefill=False):
     from specdec import compile_cache
 
     if tensor_parallel < 1:
@@ -149,7 +153,8 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
         model = GemmaModel.from_checkpoint(path, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
                                            tp_group=tp_group, tp_parts=tp_parts, fp8=fp8)
         verifier = TorchEngine(model, batch=batch, max_seq_len=max_seq_len, k_max=k_max, hidden_layers=hidden_layers,
-                               invariant=invariant, compile=compile and device.startswith("cuda"))
+                               invariant=invariant, compile=compile and device.startswith("cuda"),
+                               graph_prefill=graph_prefill)
         cfg = model.cfg
     else:
         from specdec.verifiers.jax_engine import PREFILL_CHUNK, JaxEngine

@@ -43,6 +43,7 @@ class BenchSettings:
     eagle3: Path | None = None  # an EAGLE-3 head: its runs at each K beside n-gram's
     fp8: bool = False  # our engines' linears in FP8 (specdec.models.fp8); the peer keeps the checkpoint's weights
     isolate: bool | None = None  # each engine in a process of its own; None: on a GPU, where several engines run
+    graph_prefill: bool = False  # torch, compiled on CUDA: prefill as CUDA graphs (TorchEngine's graph_prefill)
 
     @property
     def drafters(self) -> tuple[str, ...]:
@@ -242,7 +243,8 @@ def bench_job(settings: BenchSettings, on_cuda: bool) -> dict:
             "context": max(len(ids) for ids in prompt_ids) + max_new_tokens + 2 * decode_width(k_max),
             "texts": texts, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens,
             "settings": {"ks": list(settings.ks), "eagle3": None if settings.eagle3 is None else str(settings.eagle3),
-                         "invariant": settings.invariant, "compile": settings.compile, "fp8": settings.fp8}}
+                         "invariant": settings.invariant, "compile": settings.compile, "fp8": settings.fp8,
+                         "graph_prefill": settings.graph_prefill}}
 
 
 def engine_runs(engine: str, job: dict, step, advance) -> dict[Method, list[Run]]:
@@ -255,7 +257,7 @@ def engine_runs(engine: str, job: dict, step, advance) -> dict[Method, list[Run]
         decode = _transformers_decoder(path, dtype)
     else:
         decode = _our_decoder(path, engine, dtype, job["k_max"], job["context"], options["invariant"],
-                              options["compile"], settings.eagle3, options["fp8"])
+                              options["compile"], settings.eagle3, options["fp8"], options["graph_prefill"])
     methods = engine_methods(engine, settings)
     for method in methods:
         step(f"warm-up {method.name}")
@@ -325,7 +327,7 @@ def _child(spec_path: str) -> None:
 
 
 def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, invariant: bool, compile: bool,
-                 eagle3: Path | None = None, fp8: bool = False):
+                 eagle3: Path | None = None, fp8: bool = False, graph_prefill: bool = False):
     """decode(text, ids, method, max_new_tokens) -> Run on one engine: plain (k = 0) and every drafter and K
     share it, so all decode forwards have one width (what makes greedy speculative output the plain
     decode's). With an EAGLE-3 head every forward also returns the head's taps, plain decoding's too. `fp8`: the
@@ -335,7 +337,8 @@ def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, 
 
     spec = {"ngram": "ngram", "eagle3": f"eagle3={eagle3}"}
     target = specdec.load(path, engine=engine, dtype=dtype, k_max=k_max, max_seq_len=context, invariant=invariant,
-                          compile=compile, hidden_layers=drafter_taps(spec["eagle3"], path) if eagle3 else (), fp8=fp8)
+                          compile=compile, hidden_layers=drafter_taps(spec["eagle3"], path) if eagle3 else (), fp8=fp8,
+                          graph_prefill=graph_prefill)
     if engine == "torch":  # set-up, as a server's: prefill's program and each width's graph
         target.engine.warm_up_prefill()
 

@@ -94,7 +94,7 @@ def test_bench_records_whether_its_engines_ran_apart(ckpt, prompts_file, tmp_pat
 
 def test_fp8_weights_in_our_engines(ckpt, prompts_file, tmp_path, monkeypatch):
     """--fp8 loads each engine's target with FP8 linears, and its speculative runs are judged against its own plain
-    decode."""
+    decode. --graph-prefill reaches each load too (and changes nothing on the CPU)."""
     loads = []
     real_load = specdec.load
 
@@ -105,11 +105,13 @@ def test_fp8_weights_in_our_engines(ckpt, prompts_file, tmp_path, monkeypatch):
     monkeypatch.setattr(specdec, "load", load)
     out = tmp_path / "bench.json"
     code, stdout, stderr = run("--target", ckpt, "--prompts", prompts_file, "--k", "2", "--max-new-tokens", "12",
-                               "--no-peer", "--fp8", "--out", out)
+                               "--no-peer", "--fp8", "--graph-prefill", "--out", out)
     assert code == 0, stderr
-    assert [(kw["engine"], kw["fp8"]) for kw in loads] == [("torch", True), ("jax", True)]
+    assert [(kw["engine"], kw["fp8"], kw["graph_prefill"]) for kw in loads] == [("torch", True, True),
+                                                                                 ("jax", True, True)]
     record = json.loads(out.read_text())
-    assert record["settings"]["fp8"] is True and record["identical"] is True
+    assert record["settings"]["fp8"] is True and record["settings"]["graph_prefill"] is True
+    assert record["identical"] is True
     assert {m["method"]: m["identical"] for m in record["methods"]} == {
         "torch plain": None, "torch n-gram K=2": True, "jax plain": None, "jax n-gram K=2": True}
     assert "our linears in FP8" in stdout

@@ -53,6 +53,7 @@ class ServeConfig:
     dtype: str | None = None
     fp8: bool = False  # FP8 linears (specdec.models.fp8)
     compile: bool = True  # torch on CUDA: torch.compile the forward; JAX: prefill's own program (a server repays both)
+    graph_prefill: bool = False  # torch, compiled on CUDA: prefill as CUDA graphs (TorchEngine's graph_prefill)
 
 
 class ModelServer:
@@ -68,7 +69,8 @@ class ModelServer:
         self.config = config
         self.target = specdec.load(config.target, engine=config.engine, dtype=config.dtype,
                                    k_max=max(config.speculative.k, 1), max_seq_len=config.max_model_len,
-                                   batch=config.max_num_seqs, compile=config.compile, fp8=config.fp8)
+                                   batch=config.max_num_seqs, compile=config.compile, fp8=config.fp8,
+                                   graph_prefill=config.graph_prefill)
         self.tokenizer: Tokenizer = self.target.tokenizer
         self.model_name = config.served_model_name or self.target.path.name
         self.device = device_name(self.target)

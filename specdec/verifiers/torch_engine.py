@@ -243,9 +243,13 @@ class TorchEngine:
         compile: bool | None = None,
         invariant: bool = True,
         lookahead: int = 0,
+        graph_prefill: bool = False,
     ):
         """`lookahead`: extra sliding-ring slots for decode forwards chained past the committed length
-        (GemmaConfig.cache_slots), for an engine that drafts (specdec.drafters.model)."""
+        (GemmaConfig.cache_slots), for an engine that drafts (specdec.drafters.model). `graph_prefill` (a compiled
+        engine on a GPU): prefill chunks padded and replayed as CUDA graphs, a prompt's prefill 4-5x shorter on the
+        270M, but every decode cycle in the same process ~55 us (12%) longer on an H200, for a cause not yet found
+        (docs/benchmarks.md): it pays where requests are short, and costs past ~150 cycles a request."""
         self.model = model
         self.lookahead = lookahead
         self.cfg = model.cfg
@@ -265,11 +269,12 @@ class TorchEngine:
         self._prefill_fn = compiled_prefill(model) if self.compiles else model.forward
         self._pad_tokens = torch.full((batch, self.width - 1), model.cfg.pad_token_id, dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, VerifyOutput]] = {}
-        # A compiled engine on a GPU runs prefill chunks padded to PREFILL_WIDTH_STEP, where graphs replay them (pads
-        # cost no launches there), graphed or not: its graphed and ungraphed twins commit a prompt's same bits. Graphs
-        # by (first row, rows, width), sharing one memory pool: they replay one at a time. An eager engine's prefill
-        # (a short `generate` command's, one prompt) is not graphed: a capture there would cost more than it saves.
-        self.pad_prefill = self.compiles and self.device.type == "cuda"
+        # With graph_prefill, a compiled engine on a GPU runs prefill chunks padded to PREFILL_WIDTH_STEP, where graphs
+        # replay them (pads cost no launches there), graphed or not: its graphed and ungraphed twins commit a prompt's
+        # same bits. Graphs by (first row, rows, width), sharing one memory pool: they replay one at a time. An eager
+        # engine's prefill (a short `generate` command's, one prompt) is not graphed: a capture there would cost more
+        # than it saves.
+        self.pad_prefill = graph_prefill and self.compiles and self.device.type == "cuda"
         self._prefill_graphs: dict[tuple[int, int, int], tuple] = {}
         self._prefill_pool = None
         # Per row, the hidden states of `hidden_layers` at its committed prompt positions [P-1, n, H] (an

@@ -276,8 +276,8 @@ PADDED_PREFILL_LENGTHS = (5, 40, 64, 66, 100, 129, 600)  # prompt lengths: past 
 
 
 def test_padded_prefill_decodes_as_the_unpadded_one(model):
-    """A compiled engine on a GPU pads a prefill chunk up to a multiple of 64 tokens (`pad_prefill`), where graphs
-    replay it; here float32 on the CPU. The pads must not take a slot that a later query still reads: over prompts
+    """A compiled engine on a GPU with graph_prefill pads a prefill chunk up to a multiple of 64 tokens
+    (`pad_prefill`), where graphs replay it; here float32 on the CPU. The pads must not take a slot that a later query still reads: over prompts
     past the window (8), the ring (64 slots) and a chunk (512), the padded engine decodes the tokens and commits the
     prompt's hidden states of the unpadded one."""
     plain = TorchEngine(model, max_seq_len=1024, k_max=4, hidden_layers=(1,))
@@ -314,8 +314,8 @@ def test_graphed_prefill_commits_what_the_same_forward_does_ungraphed(random_che
     tokens and the prompt's hidden states are the same bits, for a batch and for a row of a batch."""
     m = GemmaModel.from_checkpoint(random_checkpoints["gemma4_e"], dtype=torch.bfloat16, device="cuda",
                                    max_seq_len=1024)
-    engines = [TorchEngine(m, batch=2, max_seq_len=1024, k_max=4, hidden_layers=(1,), cuda_graphs=graphs)
-               for graphs in (False, True)]
+    engines = [TorchEngine(m, batch=2, max_seq_len=1024, k_max=4, hidden_layers=(1,), cuda_graphs=graphs,
+                           graph_prefill=True) for graphs in (False, True)]
     for n in PADDED_PREFILL_LENGTHS:
         prompt = [2] + torch.randint(3, 500, (n - 1,), generator=torch.Generator().manual_seed(n)).tolist()
         runs = []
