@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     with torch.inference_mode():
         warm_up_s = timed_s(engine.warm_up_prefill)
         rows = time_prefills(engine, lengths, args.repeats)
-    record = {"device": torch.cuda.get_device_name(), "date": now_utc(), "commit": git_commit(), "graphs": not args.no_graphs,
+    record = {"device": torch.cuda.get_device_name(), "date": now_utc(), "commit": git_commit(),
+              "graphs": not args.no_graphs,
               "torch": torch.__version__, "batch": args.batch, "context": args.context, "k_max": args.k_max,
               "weights": str(args.target) if args.target else f"random at {args.config.name}",
               "warm_up_s": warm_up_s, "prefills": rows}

@@ -32,7 +32,8 @@ def test_engines_of_each_prefill_chunk_are_timed_by_prompt_length(random_checkpo
     prompt in two of its chunks), and the plot of prefill by prompt length."""
     script = load_script("time_jax_generation")
     out, png = tmp_path / "t.json", tmp_path / "t.png"
-    monkeypatch.setattr("sys.argv", ["time_jax_generation", "--config", str(random_checkpoints["gemma3"] / "config.json"),
+    config = str(random_checkpoints["gemma3"] / "config.json")
+    monkeypatch.setattr("sys.argv", ["time_jax_generation", "--config", config,
                                      "--contexts", "128", "--prefill-chunks", "0,64", "--prompt-tokens", "5,70",
                                      "--tokens", "8", "--runs", "1", "--cycles-per-call", "2", "--out", str(out),
                                      "--plot", str(png)])

@@ -724,7 +724,8 @@ def _commit(cfg: GemmaConfig, cache: Cache, writes: dict, positions, x, counts=N
     kept = jnp.isfinite(x).all(axis=(1, 2))[:, None]
     if counts is not None:
         if T > min(p.shape[1] for p in cache["slot_pos"].values()):
-            raise ValueError(f"a chunk of {T} tokens with counts is longer than a ring: its last slots' tokens may be pads")
+            raise ValueError(f"a chunk of {T} tokens with counts is longer than a ring: its last slots' tokens may "
+                             "be pads")
         kept = kept & (jnp.arange(T) < counts[:, None])
     keys, values, slot_pos = list(cache["keys"]), list(cache["values"]), dict(cache["slot_pos"])
     for kind in KINDS:

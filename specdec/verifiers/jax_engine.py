@@ -259,9 +259,9 @@ class JaxEngine:
         `tp_parts`: compute every split weight in that many parts over the mesh (one device without one), so that
         every mesh of a size dividing it computes the same bits (config.check_tp_parts). `prefill_chunk`: prefill
         through a forward of its own, chunks of that many tokens (PREFILL_CHUNK, the usual choice, or fewer: no
-        more than the cache's smallest ring); None: through the decode forward (module docstring). Plain and speculative runs of
-        one engine prefill alike either way, but the two ways round differently: their text can differ at
-        near-ties."""
+        more than the cache's smallest ring); None: through the decode forward (module docstring). Plain and
+        speculative runs of one engine prefill alike either way, but the two ways round differently: their text
+        can differ at near-ties."""
         for layer in hidden_layers:
             if not 0 <= layer < cfg.num_layers:
                 raise SpecdecError(f"hidden layer {layer} out of range (the model has {cfg.num_layers} layers)")
@@ -813,7 +813,7 @@ class JaxFusedCycle:
         self._steps = engine._steps_fn(cycles_per_call, self.draft_fn)
         self.cycles_per_call = cycles_per_call
         # decode_step prefills in a forward as wide as prefill's chunks, which a stateful drafter's begin
-        # (from prefill's hidden states) cannot wait for.
+        # (from prefill's hidden states) cannot wait for; an engine with prefill_chunk prefills in its own program.
         self._prefills_in_cycle = (engine.prefill_chunk is None and not _stateful(self.draft_fn)
                                    and engine._bucket(k + 1) == engine.buckets[-1])
         self.decode_cycles_in_start = 0  # decode cycles the last start ran with its prefill, handed out first by step
@@ -830,12 +830,12 @@ class JaxFusedCycle:
 
     def compile_ahead(self, stop: StopCondition) -> None:
         """Start compiling what a run needs, in threads, and return: `start` waits for it. That is this
-        cycle's program, which prefills too; or, where prefill runs on its own (the engine's prefill_chunk, a
-        stateful drafter, or a forward narrower than prefill's chunks), prefill's program as well, the two side
-        by side; and the cache's reset, which start runs first. The programs are lowered here (which holds the GIL) against the shapes of the weights, the
-        cache and the state the real calls build (eval_shape of the same code), so they need not wait for the
-        transfer of the weights and cache, which starts next, and those calls find them compiled; XLA compiles
-        without the GIL. Prompt lengths do not enter the programs. A stateful drafter's state takes its shape
+        cycle's program, which prefills too; or, where prefill runs on its own (the engine's prefill_chunk, or a
+        forward narrower than prefill's chunks), prefill's program as well, the two side
+        by side; and the cache's reset, which start runs first. The programs are lowered here (which holds the
+        GIL) against the shapes of the weights, the cache and the state the real calls build (eval_shape of the
+        same code), so they need not wait for the transfer of the weights and cache, which starts next, and those
+        calls find them compiled; XLA compiles without the GIL. Prompt lengths do not enter the programs. A stateful drafter's state takes its shape
         from the drafter's own prefill: with one, the programs compile in turn, at first use."""
         engine = self.verifier
         if _stateful(self.draft_fn):
