@@ -34,9 +34,10 @@ def time_case(config: Path, context: int, case: str, tokens: int, runs: int) -> 
     from specdec.models.torch_gemma import GemmaModel
     from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
-    model = GemmaModel.random(GemmaConfig.from_file(config), torch.bfloat16, "cuda", context)
+    cfg = GemmaConfig.from_file(config)
+    model = GemmaModel.random(cfg, torch.bfloat16, "cuda", context)
     engine = TorchEngine(model, max_seq_len=context, k_max=4, compile=True, graph_prefill=case != "ungraphed")
-    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20000, 100)]
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, min(20000, cfg.vocab_size), 100)]
 
     def cycle_ms(cycle) -> list[float]:
         generations = [run_cycles(cycle, [prompt], 0, StopCondition(tokens)).stats for _ in range(runs + 1)]
