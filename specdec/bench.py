@@ -339,7 +339,7 @@ def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, 
     target = specdec.load(path, engine=engine, dtype=dtype, k_max=k_max, max_seq_len=context, invariant=invariant,
                           compile=compile, hidden_layers=drafter_taps(spec["eagle3"], path) if eagle3 else (), fp8=fp8,
                           graph_prefill=graph_prefill)
-    if engine == "torch":  # set-up, as a server's: prefill's program and each width's graph
+    if engine == "torch":  # set-up, as a server's: prefill's program (with graph_prefill, each width's graph)
         target.engine.warm_up_prefill()
 
     def decode(text: str, _ids: list[int], method: Method, max_new_tokens: int) -> Run:
