@@ -86,7 +86,7 @@ def load(
     31B shapes (docs/benchmarks.md).
 
     `compile` spends compile time on what many requests repay. Torch on CUDA: torch.compile fuses the forward
-    before capturing CUDA graphs (prefill's too): about 2.5x faster decoding of the 270M, for about 45 s of
+    before capturing CUDA graphs: about 2.5x faster decoding of the 270M, for about 45 s of
     compilation on a machine's first run and 10 s later (inductor's cache, see specdec.compile_cache). Without it
     the CUDA graphs replay the eager forward and set up in a fraction of a second: the better choice for short
     runs. The JAX engine always compiles (and caches its programs on disk); `compile` gives it prefill's own

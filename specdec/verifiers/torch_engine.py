@@ -15,9 +15,9 @@ On CUDA each forward width is captured once as a CUDA graph and replayed: the mo
 small batch, and a replay issues hundreds of kernels for the price of one launch. `compile=True` (the
 default on CUDA) first fuses the forward's elementwise work with torch.compile (~1 minute, cached on
 disk by inductor), so each replay also runs far fewer kernels; a fused cycle's drafting and acceptance
-are compiled with it, and prefill runs a compiled program of its own, dynamic in the prompt's length, each
-chunk padded to a multiple of 64 tokens and replayed as a graph of that width. On CPU the forwards run
-eagerly. Graphed and eager run the same kernels on the same buffers, so they give the same tokens.
+are compiled with it, and prefill runs a compiled program of its own, dynamic in the prompt's length (with
+`graph_prefill`, each chunk padded to a multiple of 64 tokens and replayed as a graph of that width). On CPU
+the forwards run eagerly. Graphed and eager run the same kernels on the same buffers, so they give the same tokens.
 """
 
 from __future__ import annotations
