@@ -17,7 +17,8 @@ import pytest
 from specdec.errors import SpecdecError
 from specdec.models.config import PARTS_GPU_XLA_FLAGS, with_parts_xla_flags
 from specdec.protocol import Verifier
-from specdec.verifiers.jax_engine import PREFILL_CHUNK, JaxEngine, JaxFusedCycle
+from specdec.verifiers.jax_engine import (PREFILL_CHUNK, JaxEngine, JaxFusedCycle, StepResult, pack_results,
+                                         unpack_cycles)
 
 VARIANT = "gemma4_e"  # per-layer inputs, KV-shared layers, double-wide MLPs
 K_MAX = 4
@@ -411,6 +412,23 @@ def test_parts_xla_flag_is_added_once_beside_the_users_flags():
     flags = with_parts_xla_flags(f"--xla_force_host_platform_device_count=2 {PARTS_GPU_XLA_FLAGS[1]}")
     assert flags.split() == ["--xla_force_host_platform_device_count=2", PARTS_GPU_XLA_FLAGS[1], PARTS_GPU_XLA_FLAGS[0]]
     assert with_parts_xla_flags(flags) == flags
+
+
+def test_packed_results_unpack_to_the_cycles_that_emitted():
+    rng = np.random.default_rng(0)
+    cycles, B, k = 3, 2, 4
+    results = StepResult(num_accepted=jnp.asarray(rng.integers(0, k + 1, (cycles, B)), jnp.int32),
+                         next_token=jnp.asarray(rng.integers(0, 1000, (cycles, B)), jnp.int32),
+                         draft=jnp.asarray(rng.integers(0, 1000, (cycles, B, k)), jnp.int32),
+                         draft_len=jnp.asarray(rng.integers(0, k + 1, (cycles, B)), jnp.int32),
+                         prefill=jnp.asarray([True, False, False]))
+    unpacked = unpack_cycles(np.asarray(pack_results(results)))
+    assert len(unpacked) == 2  # the prefill cycle emitted nothing
+    for i, cycle in zip([1, 2], unpacked):
+        np.testing.assert_array_equal(cycle.num_accepted, results.num_accepted[i])
+        np.testing.assert_array_equal(cycle.next_token, results.next_token[i])
+        np.testing.assert_array_equal(cycle.draft_tokens, results.draft[i])
+        np.testing.assert_array_equal(cycle.draft_len, results.draft_len[i])
 
 
 PACK_SCRIPT = textwrap.dedent(
