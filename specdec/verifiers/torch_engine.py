@@ -15,8 +15,8 @@ On CUDA each forward width is captured once as a CUDA graph and replayed: the mo
 small batch, and a replay issues hundreds of kernels for the price of one launch. `compile=True` (the
 default on CUDA) first fuses the forward's elementwise work with torch.compile (~1 minute, cached on
 disk by inductor), so each replay also runs far fewer kernels; a fused cycle's drafting and acceptance
-are compiled with it, and prefill runs a compiled program of its own, dynamic in the prompt's length (with
-`graph_prefill`, each chunk padded to a multiple of 64 tokens and replayed as a graph of that width). On CPU
+are compiled with it, and prefill runs a compiled program of its own, dynamic in the prompt's length, each chunk
+padded to a multiple of 64 tokens (with `graph_prefill`, replayed as a graph of that width). On CPU
 the forwards run eagerly. Graphed and eager run the same kernels on the same buffers, so they give the same tokens.
 """
 
@@ -269,12 +269,14 @@ class TorchEngine:
         self._prefill_fn = compiled_prefill(model) if self.compiles else model.forward
         self._pad_tokens = torch.full((batch, self.width - 1), model.cfg.pad_token_id, dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, VerifyOutput]] = {}
-        # With graph_prefill, a compiled engine on a GPU runs prefill chunks padded to PREFILL_WIDTH_STEP, where graphs
-        # replay them (pads cost no launches there), graphed or not: its graphed and ungraphed twins commit a prompt's
-        # same bits. Graphs by (first row, rows, width), sharing one memory pool: they replay one at a time. An eager
-        # engine's prefill (a short `generate` command's, one prompt) is not graphed: a capture there would cost more
-        # than it saves.
-        self.pad_prefill = graph_prefill and self.compiles and self.device.type == "cuda"
+        # A compiled engine on a GPU runs prefill chunks padded to PREFILL_WIDTH_STEP, graphed or not: its graphed and
+        # ungraphed twins commit a prompt's same bits. Padded, a short prompt runs the compiled program, not the eager
+        # forward: 14 tokens took 30 ms eagerly on an H200, 8 ms compiled. With graph_prefill, graphs by (first row,
+        # rows, width) replay the chunks, sharing one memory pool: they replay one at a time. An eager engine's
+        # prefill (a short `generate` command's, one prompt) is not graphed: a capture there would cost more than it
+        # saves.
+        self.pad_prefill = self.compiles and self.device.type == "cuda"
+        self.graph_prefill = graph_prefill and self.pad_prefill
         self._prefill_graphs: dict[tuple[int, int, int], tuple] = {}
         self._prefill_pool = None
         # Per row, the hidden states of `hidden_layers` at its committed prompt positions [P-1, n, H] (an
@@ -325,7 +327,7 @@ class TorchEngine:
         for length in sorted({SPLIT_MAX_ROWS + 1, ring, ring + 1, longest}):
             if SPLIT_MAX_ROWS < length <= longest:
                 self.prefill_row(0, [self.cfg.pad_token_id] * (length + 1))
-        if self.use_graphs and self.pad_prefill and self.batch <= GRAPHED_PREFILL_MAX_BATCH:
+        if self.use_graphs and self.graph_prefill and self.batch <= GRAPHED_PREFILL_MAX_BATCH:
             for row, length in itertools.product(range(self.batch), self.graphed_prefill_widths().values()):
                 self.prefill_row(row, [self.cfg.pad_token_id] * (length + 1))
 
@@ -368,22 +370,22 @@ class TorchEngine:
     def _prefill_chunk(self, first: int, rows: KVCache, chunk: torch.Tensor, start: int) -> torch.Tensor | None:
         """Commit a chunk [B, n] of rows first.. at positions start..; -> its hidden states of `hidden_layers`.
 
-        Where graphs replay it, the chunk runs padded to its width (`_prefill_width`) as one graph: the compiled
-        forward alone spent ~11 ms a prompt launching its kernels from Python, 1.8-2.8 ms as a graph (the 270M up
-        to 400 tokens, H200). Otherwise chunks of more than SPLIT_MAX_ROWS tokens run the compiled forward and
-        shorter ones run eagerly (25-46 ms on a GPU): compiled, dynamo would build three more programs for them
-        (chunks of 1 and 2 tokens, which it specialises, and those up to SPLIT_MAX_ROWS, where a compiled forward
-        splits its products), about a minute each on an H100."""
+        The chunk runs padded to its width (`_prefill_width`) where the engine pads: through the compiled forward,
+        or with graph_prefill as one graph. The compiled forward alone spent ~8-11 ms a prompt launching its kernels
+        from Python, 1.8-2.8 ms as a graph (the 270M up to 400 tokens, H200). Unpadded, chunks of up to
+        SPLIT_MAX_ROWS tokens run eagerly (25-46 ms on a GPU): compiled, dynamo would build three more programs for
+        them (chunks of 1 and 2 tokens, which it specialises, and those up to SPLIT_MAX_ROWS, where a compiled
+        forward splits its products), about a minute each on an H100."""
         B, n = chunk.shape
         graphable_rows = B == self.batch or (B == 1 and self.batch <= GRAPHED_PREFILL_MAX_BATCH)
-        width = self._prefill_width(start, n) if graphable_rows else n
+        width = self._prefill_width(start, n)
         tokens = torch.cat([chunk, chunk.new_full((B, width - n), self.cfg.pad_token_id)], dim=1)
         # Contiguous, as a graph's static copy is: dynamo compiles an expanded tensor (stride 0) into another program
         positions = torch.arange(start, start + width, device=self.device).repeat(B, 1)
         key = (first, B, width)
         # A capture runs the chunk twice (its warm-up, then the replay): harmless only where the chunk reads no
         # cache it writes, the first; later chunks replay a graph that a first one captured.
-        if self.use_graphs and self.pad_prefill and graphable_rows and width % PREFILL_WIDTH_STEP == 0 and (
+        if self.use_graphs and self.graph_prefill and graphable_rows and width % PREFILL_WIDTH_STEP == 0 and (
                 start == 0 or key in self._prefill_graphs):
             hidden = self._replay_prefill(key, rows, tokens, positions)
         else:

@@ -276,8 +276,9 @@ PADDED_PREFILL_LENGTHS = (5, 40, 64, 66, 100, 129, 600)  # prompt lengths: past 
 
 
 def test_padded_prefill_decodes_as_the_unpadded_one(model):
-    """A compiled engine on a GPU with graph_prefill pads a prefill chunk up to a multiple of 64 tokens
-    (`pad_prefill`), where graphs replay it; here float32 on the CPU. The pads must not take a slot that a later query still reads: over prompts
+    """A compiled engine on a GPU pads a prefill chunk up to a multiple of 64 tokens (`pad_prefill`), where
+    graph_prefill's graphs replay it; here float32 on the CPU. The pads must not take a slot that a later query still
+    reads: over prompts
     past the window (8), the ring (64 slots) and a chunk (512), the padded engine decodes the tokens and commits the
     prompt's hidden states of the unpadded one."""
     plain = TorchEngine(model, max_seq_len=1024, k_max=4, hidden_layers=(1,))
