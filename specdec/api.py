@@ -93,7 +93,7 @@ def load(
     program (JaxEngine's prefill_chunk, PREFILL_CHUNK tokens a forward), which a one-off command would wait for
     beside its cycle program. Either way plain and speculative runs of one target prefill alike.
 
-    `graph_prefill` (torch, compiled, on CUDA): prefill replayed as CUDA graphs, a prompt's prefill 4-5x shorter, but
+    `graph_prefill` (torch, compiled, on CUDA): prefill replayed as CUDA graphs, a prompt's prefill ~2.5x shorter, but
     every decode cycle of the process slower (TorchEngine's graph_prefill): for short requests.
 
     `tensor_parallel` > 1 splits the attention heads and MLP columns over that many devices. JAX: a mesh of

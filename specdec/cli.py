@@ -322,7 +322,7 @@ def bench(
     compile: bool = typer.Option(True, help="torch.compile the torch engine's forward on CUDA; the JAX engine's prefill in a program of its own (during the warm-up, not timed)"),
     fp8: bool = typer.Option(False, help="our engines' linears in FP8, a scale per output row; transformers keeps the checkpoint's weights"),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="run each engine in a process of its own [default: on a GPU, with several engines]"),
-    graph_prefill: bool = typer.Option(False, help="torch, compiled on CUDA: prefill as CUDA graphs, 4-5x shorter on the 270M, but each decode cycle ~12% longer (H200): for short requests"),
+    graph_prefill: bool = typer.Option(False, help="torch, compiled on CUDA: prefill as CUDA graphs, ~2.5x shorter on the 270M, but each decode cycle ~12% longer (H200): for short requests"),
     out: Path = typer.Option(Path("specdec-bench.json"), help="JSON results to write"),
     plot: Optional[Path] = typer.Option(None, help="PNG of tok/s against K [default: --out with .png]"),
 ):
@@ -386,7 +386,7 @@ def serve(
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
     compile: bool = typer.Option(True, help="torch.compile the forward (torch on CUDA); JAX: prefill in a program of its own"),
     fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight"),
-    graph_prefill: bool = typer.Option(False, help="torch, compiled on CUDA: prefill as CUDA graphs, 4-5x shorter on the 270M, but each decode cycle ~12% longer (H200): for short requests"),
+    graph_prefill: bool = typer.Option(False, help="torch, compiled on CUDA: prefill as CUDA graphs, ~2.5x shorter on the 270M, but each decode cycle ~12% longer (H200): for short requests"),
 ):
     """Serve the OpenAI API (completions and chat, streamed or whole) from one warm engine, batching
     concurrent requests continuously; /metrics for Prometheus, /health."""

@@ -247,9 +247,9 @@ class TorchEngine:
     ):
         """`lookahead`: extra sliding-ring slots for decode forwards chained past the committed length
         (GemmaConfig.cache_slots), for an engine that drafts (specdec.drafters.model). `graph_prefill` (a compiled
-        engine on a GPU): prefill chunks padded and replayed as CUDA graphs, a prompt's prefill 4-5x shorter on the
-        270M, but every decode cycle in the same process ~55 us (12%) longer on an H200, for a cause not yet found
-        (docs/benchmarks.md): it pays where requests are short, and costs past ~150 cycles a request."""
+        engine on a GPU): prefill chunks replayed as CUDA graphs, a prompt's prefill about 2.5x shorter on the 270M (~6
+        ms to ~2.4), but every decode cycle in the same process ~60 us (12%) longer on an H200, for a cause not yet
+        found (docs/benchmarks.md): it pays where requests are short, and costs past ~60 cycles a request."""
         self.model = model
         self.lookahead = lookahead
         self.cfg = model.cfg
