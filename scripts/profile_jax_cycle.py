@@ -1,7 +1,9 @@
-"""Where a JAX fused plain-decode cycle's time goes: wall time per cycle as users run it, and the device's kernels
-per cycle from jax's profiler, grouped by name. The JAX counterpart of profile_cycle.py (plain decode only).
+"""Where a JAX fused plain-decode cycle's time goes: wall time per cycle as users run it, the device's kernels per
+cycle and the host's traced events per call from jax's profiler, grouped by name. The JAX counterpart of
+profile_cycle.py (plain decode only).
 
     python scripts/profile_jax_cycle.py --config 31b.json --context 1024 --out docs/results/profile-jax-31b6.json
+    python scripts/profile_jax_cycle.py --config 270m.json --context 333 --cycles-per-call 1 --steps 64
 
 Random weights cost what real ones do (shapes, not values, set a kernel's time). `--share-weights` gives every layer
 layer 0's weights of the named blocks: one layer's weights, which L2 holds, so the cycle then bounds what reading
@@ -33,16 +35,22 @@ from specdec.models.jax_gemma import load_params, random_params
 from specdec.verifiers.jax_engine import CYCLES_PER_CALL, JaxEngine, JaxFusedCycle
 
 
-def device_kernels(run) -> dict:
-    """The device's kernels while `run` runs cycles (and waits for them; it returns how many): count and ms per
-    cycle, by name, from the streams of the first GPU's plane of a jax.profiler trace."""
+def traced(run) -> tuple:
+    """(jax.profiler's ProfileData of a trace while `run` runs, what `run` returned)."""
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
-        cycles = run()
+        returned = run()
         jax.profiler.stop_trace()
         [path] = Path(trace_dir).rglob("*.xplane.pb")
-        profile = jax.profiler.ProfileData.from_file(str(path))
-    plane = next(p for p in profile.planes if p.name.startswith("/device:GPU:0"))
+        return jax.profiler.ProfileData.from_file(str(path)), returned
+
+
+def device_kernels(profile, cycles: int) -> dict:
+    """The device's kernels in a trace of `cycles` cycles: count and ms per cycle, by name, from the streams of the
+    first GPU's plane."""
+    plane = next((p for p in profile.planes if p.name.startswith("/device:GPU:0")), None)
+    if plane is None:
+        raise SystemExit("error: profile_jax_cycle reads a GPU's kernels; the trace has no GPU")
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     spans = []
     for line in plane.lines:
@@ -61,6 +69,25 @@ def device_kernels(run) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])  # every kernel: fusion names match an HLO dump
     return {"per_cycle": count, "busy_ms": busy, "span_ms": span,
             "top": [{"name": n[:120], "per_cycle": c / cycles, "ms": t / cycles} for n, (c, t) in top]}
+
+
+def host_events(profile, calls: int, top: int = 40) -> list[dict]:
+    """The host's traced events in a trace of `calls` dispatches, by thread and name, the longest first: count and ms
+    per call. Where a call's host time goes: PJRT's argument handling and output buffers, XLA's command-buffer
+    updates, launches. Times are inclusive (an event holds the events it calls)."""
+    by_name: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for plane in profile.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            thread = re.sub(r"/-?\d+$", "", line.name)  # a client's threads by kind, not by id
+            for event in line.events:
+                entry = by_name[(thread, event.name)]
+                entry[0] += 1
+                entry[1] += event.duration_ns / 1e6
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"thread": thread, "name": name[:120], "per_call": count / calls, "ms": ms / calls}
+            for (thread, name), (count, ms) in ranked]
 
 
 def _hlo_table(text: str, name: str) -> dict[str, str]:
@@ -147,6 +174,8 @@ def main() -> None:
     source.add_argument("--target", type=Path, help="an imported checkpoint directory")
     source.add_argument("--config", type=Path, help="a config.json: random weights at its shapes")
     parser.add_argument("--steps", type=int, default=20 * CYCLES_PER_CALL, help="timed decode cycles")
+    parser.add_argument("--cycles-per-call", type=int, default=CYCLES_PER_CALL,
+                        help="the fused cycle's (1: a server's, where the host's time per call shows)")
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--context", type=int, default=4096, help="cache positions")
     parser.add_argument("--k-max", type=int, default=8, help="the engine's k_max (sets the invariant width)")
@@ -171,22 +200,24 @@ def main() -> None:
         params = shared_weights(params, args.share_weights)
     engine = JaxEngine(cfg, params, max_seq_len=args.context, k_max=args.k_max)
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20000, args.prompt_tokens)]
-    cycle = JaxFusedCycle(engine, None, 0)
+    cycle = JaxFusedCycle(engine, None, 0, cycles_per_call=args.cycles_per_call)
     cycle.start([prompt], StopCondition(10**6))
 
     def run(steps: int) -> int:
-        """`steps` cycles handed out as decoding takes them (a device call, and a wait, per CYCLES_PER_CALL);
+        """`steps` cycles handed out as decoding takes them (a device call, and a wait, per cycles_per_call);
         -> the cycles the device ran meanwhile."""
         before = cycle.device_cycles
         for _ in range(steps):
             cycle.step()
         return cycle.device_cycles - before
 
-    run(3 * CYCLES_PER_CALL)
+    run(3 * args.cycles_per_call)
     start = time.perf_counter()
     ran = run(args.steps)
     wall = (time.perf_counter() - start) * 1e3 / ran
-    kernels = device_kernels(lambda: run(args.steps))
+    profile, ran = traced(lambda: run(args.steps))
+    kernels = device_kernels(profile, ran)
+    host = host_events(profile, ran // args.cycles_per_call)
     if args.sources:
         sources = kernel_sources([t["name"] for t in kernels["top"]], args.sources)
         for t in kernels["top"]:
@@ -196,15 +227,18 @@ def main() -> None:
               "dtype": str(engine.params["embed_tokens.weight"].dtype), "fp8": args.fp8,
               "model": str(args.target or args.config), "weights": "checkpoint" if args.target else "random",
               "shared_weights": args.share_weights,
-              "invariant_width": engine.width, "prompt_tokens": len(prompt), "cycles_per_call": CYCLES_PER_CALL,
-              "cycle_wall_ms": wall, "kernels": kernels}
+              "invariant_width": engine.width, "prompt_tokens": len(prompt), "cycles_per_call": args.cycles_per_call,
+              "cycle_wall_ms": wall, "kernels": kernels, "host_per_call": host}
     args.out.write_text(json.dumps(record, indent=1))
-    print(f"\n{record['device']} · {record['commit']} · width {engine.width} · {CYCLES_PER_CALL} cycles per call")
+    print(f"\n{record['device']} · {record['commit']} · width {engine.width} · {args.cycles_per_call} cycles per call")
     print(f"cycle wall {wall:.3f} ms · device span {kernels['span_ms']:.3f} ms · busy {kernels['busy_ms']:.3f} ms"
           f" · {kernels['per_cycle']:.0f} kernels per cycle")
     for t in kernels["top"][:25]:
         where = f"  {','.join(t['ops'])[:40]}  {' '.join(t['sources'][:2])}" if t.get("sources") else ""
         print(f"  {t['per_cycle']:6.1f} {t['ms']:7.4f}  {t['name'][:60]}{where}")
+    print("host, per call (inclusive):")
+    for h in host[:20]:
+        print(f"  {h['per_call']:6.1f} {h['ms']:7.4f}  {h['thread'][:24]:<24} {h['name'][:70]}")
 
 
 if __name__ == "__main__":

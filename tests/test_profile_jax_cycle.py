@@ -24,3 +24,24 @@ def test_kernel_sources_name_a_fusions_ops_and_specdec_lines(tmp_path):
     assert set(sources) == set(kernels)  # a name the module does not define is left out
     assert any("tanh" in found["ops"] and f"jax_gemma.py:{gelu_line}:_gelu" in found["sources"]
                for found in sources.values()), sources
+
+
+def test_host_events_are_counted_per_call():
+    """host_events on CPU traces of 4 and of 8 calls of a jitted function: its dispatch events (jax traces two,
+    nested, a call) come out as many per call, whatever the calls."""
+    import jax
+    import jax.numpy as jnp
+
+    script = load_script("profile_jax_cycle")
+    double = jax.jit(lambda x: x * 2)
+    x = jnp.ones(8)
+    double(x).block_until_ready()
+    per_call = []
+    for calls in (4, 8):
+        profile, _ = script.traced(lambda: [double(x).block_until_ready() for _ in range(calls)])
+        events = script.host_events(profile, calls, top=1000)
+        [dispatch] = [e for e in events if e["name"] == "PjitFunction(<lambda>)"]
+        assert dispatch["ms"] > 0
+        per_call.append(dispatch["per_call"])
+        assert all(not re.search(r"/-?\d+$", e["thread"]) for e in events)  # threads by kind, not by id
+    assert per_call[0] == per_call[1] >= 1
