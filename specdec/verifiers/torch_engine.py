@@ -316,10 +316,12 @@ class TorchEngine:
         return torch.tensor(prompt[-1:], dtype=torch.long, device=self.device)
 
     def warm_up_prefill(self) -> None:
-        """Compile prefill, and capture each row's graph of each padded width, ahead of the prompts that need them: a
-        server's first requests waited 10-94 s for the compilation on an H100. dynamo's dynamic program holds a
-        guard where the forward branches on the length, at a sliding layer's ring: a chunk on each side of it, and
-        the longest, compile what any unpadded chunk needs. The rows keep their junk until their next prefill_row."""
+        """Compile prefill, and run each padded width once (with graph_prefill, capture each row's graph of it), ahead
+        of the prompts that need them: a server's first requests waited 10-94 s for the compilation on an H100, and
+        a width's first run after it took 20-24 ms against 6 on an H200, which `bench` timed in the first method of
+        a prompt. dynamo's dynamic program holds a guard where the forward branches on the length, at a sliding
+        layer's ring: a chunk on each side of it, and the longest, compile what any unpadded chunk needs. The rows
+        keep their junk until their next prefill_row."""
         if not self.compiles:
             return
         longest = self._longest_chunk()
@@ -327,14 +329,17 @@ class TorchEngine:
         for length in sorted({SPLIT_MAX_ROWS + 1, ring, ring + 1, longest}):
             if SPLIT_MAX_ROWS < length <= longest:
                 self.prefill_row(0, [self.cfg.pad_token_id] * (length + 1))
-        if self.use_graphs and self.graph_prefill and self.batch <= GRAPHED_PREFILL_MAX_BATCH:
-            for row, length in itertools.product(range(self.batch), self.graphed_prefill_widths().values()):
-                self.prefill_row(row, [self.cfg.pad_token_id] * (length + 1))
+        if not self.pad_prefill:
+            return
+        graphed = self.use_graphs and self.graph_prefill and self.batch <= GRAPHED_PREFILL_MAX_BATCH
+        rows = range(self.batch) if graphed else [0]  # ungraphed, a width runs alike in every row
+        for row, length in itertools.product(rows, self.padded_prefill_widths().values()):
+            self.prefill_row(row, [self.cfg.pad_token_id] * (length + 1))
 
-    def graphed_prefill_widths(self) -> dict[int, int]:
+    def padded_prefill_widths(self) -> dict[int, int]:
         """Each width a prompt's first chunk can run padded at (`_prefill_width`) -> the longest chunk that runs at it.
-        Later chunks replay these widths' graphs. At `bench`'s context of 333 positions the 270M's prompts of 321 to
-        324 tokens run unpadded: 384 would run past the context."""
+        Later chunks run at these widths too (with graph_prefill, replay their graphs). At `bench`'s context of 333
+        positions the 270M's prompts of 321 to 324 tokens run unpadded: 384 would run past the context."""
         longest = self._longest_chunk()
         widths = {}
         for n in range(1, longest + 1):

@@ -336,9 +336,28 @@ def test_prefill_warms_up_every_width_a_first_chunk_can_run_at(model):
     would run past the context."""
     engine = TorchEngine(model, max_seq_len=350, k_max=4)
     engine.pad_prefill = True
-    widths = engine.graphed_prefill_widths()
+    widths = engine.padded_prefill_widths()
     assert widths == {64: 64, 128: 128, 192: 192, 256: 256, 320: 320}
     assert engine._prefill_width(0, 321) == 321 and engine._prefill_width(0, 350 - engine.width - 1) == 341
+
+
+def test_ungraphed_warm_up_runs_each_padded_width_once(random_checkpoints, monkeypatch):
+    """Without graph_prefill the warm-up still runs every padded width, in row 0 alone: a width's first run took 20-24
+    ms against 6 on an H200, which `bench` would time in a prompt's first method. Traced with dynamo's eager backend
+    on the CPU, the engine told to pad as a compiled GPU engine does."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    model = GemmaModel.from_checkpoint(random_checkpoints["gemma3"], max_seq_len=350)
+    engine = TorchEngine(model, batch=2, max_seq_len=350, k_max=4, compile=True)
+    engine.pad_prefill = True
+    ran = []
+    prefill_row = engine.prefill_row
+    monkeypatch.setattr(engine, "prefill_row", lambda row, prompt: ran.append((row, len(prompt) - 1)) or
+                        prefill_row(row, prompt))
+    engine.warm_up_prefill()
+    widths = engine.padded_prefill_widths()
+    assert {row for row, _ in ran} == {0}
+    assert {engine._prefill_width(0, n) for _, n in ran} >= set(widths)  # every width ran
 
 
 def test_no_pad_runs_past_the_context(random_checkpoints):
