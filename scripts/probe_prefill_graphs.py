@@ -1,7 +1,7 @@
 """Does graphed prefill slow the torch engine's decode cycle? Each case runs in a process of its own (what slows a
 cycle graph holds for the whole process, docs/benchmarks.md) and times the fused plain cycle over whole generations:
 
-- `ungraphed`: prefill as before graph_prefill (the compiled forward, unpadded);
+- `ungraphed`: prefill without graph_prefill (the compiled forward, each chunk padded);
 - `graphs-first`: prefill's graphs captured by `warm_up_prefill` before the cycle's graph;
 - `cycle-first`: the cycle's graph captured first (its first generation), prefill's graphs captured after it, and
   the cycle timed again.
