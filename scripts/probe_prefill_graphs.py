@@ -3,8 +3,8 @@ cycle graph holds for the whole process, docs/benchmarks.md) and times the fused
 
 - `ungraphed`: prefill without graph_prefill (the compiled forward, each chunk padded);
 - `graphs-first`: prefill's graphs captured by `warm_up_prefill` before the cycle's graph;
-- `cycle-first`: the cycle's graph captured first (its first generation), prefill's graphs captured after it, and
-  the cycle timed again.
+- `cycle-first`: the cycle's graph captured in the first generation (whose prefill captures its own width's graph
+  just before), warm_up_prefill's graphs after it, and the cycle timed again.
 
     python scripts/probe_prefill_graphs.py --config 270m.json [--context 333] [--out probe.json] [--plot probe.png]
 
