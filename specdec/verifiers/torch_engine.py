@@ -376,11 +376,11 @@ class TorchEngine:
         """Commit a chunk [B, n] of rows first.. at positions start..; -> its hidden states of `hidden_layers`.
 
         The chunk runs padded to its width (`_prefill_width`) where the engine pads: through the compiled forward,
-        or with graph_prefill as one graph. The compiled forward alone spent ~8-11 ms a prompt launching its kernels
-        from Python, 1.8-2.8 ms as a graph (the 270M up to 400 tokens, H200). Unpadded, chunks of up to
-        SPLIT_MAX_ROWS tokens run eagerly (25-46 ms on a GPU): compiled, dynamo would build three more programs for
-        them (chunks of 1 and 2 tokens, which it specialises, and those up to SPLIT_MAX_ROWS, where a compiled
-        forward splits its products), about a minute each on an H100."""
+        or with graph_prefill as one graph. The compiled forward alone took ~6 ms a prompt, 1.8-2.8 ms as a graph
+        (the 270M up to 400 tokens, H200). Unpadded, chunks of up to SPLIT_MAX_ROWS tokens run eagerly (25-46 ms on a
+        GPU): compiled, dynamo would build three more programs for them (chunks of 1 and 2 tokens, which it
+        specialises, and those up to SPLIT_MAX_ROWS, where a compiled forward splits its products), about a minute
+        each on an H100."""
         B, n = chunk.shape
         graphable_rows = B == self.batch or (B == 1 and self.batch <= GRAPHED_PREFILL_MAX_BATCH)
         width = self._prefill_width(start, n)
