@@ -850,12 +850,12 @@ class JaxFusedCycle:
     def compile_ahead(self, stop: StopCondition) -> None:
         """Start compiling what a run needs, in threads, and return: `start` waits for it. That is this
         cycle's program, which prefills too; or, where prefill runs on its own (the engine's prefill_chunk, or a
-        forward narrower than prefill's chunks), prefill's program as well, the two side
-        by side; and the cache's reset, which start runs first. The programs are lowered here (which holds the
-        GIL) against the shapes of the weights, the cache and the state the real calls build (eval_shape of the
-        same code), so they need not wait for the transfer of the weights and cache, which starts next, and those
-        calls find them compiled; XLA compiles without the GIL. Prompt lengths do not enter the programs. A stateful drafter's state takes its shape
-        from the drafter's own prefill: with one, the programs compile in turn, at first use."""
+        forward narrower than prefill's chunks), prefill's program as well, the two side by side; and the cache's
+        reset, which start runs first. The programs are lowered here (which holds the GIL) against the shapes of the
+        weights, the cache and the state the real calls build (eval_shape of the same code), so they need not wait
+        for the transfer of the weights and cache, which starts next, and those calls find them compiled; XLA
+        compiles without the GIL. Prompt lengths do not enter the programs. A stateful drafter's state takes its
+        shape from the drafter's own prefill: with one, the programs compile in turn, at first use."""
         engine = self.verifier
         if _stateful(self.draft_fn):
             engine.start_transfer()
