@@ -641,9 +641,8 @@ class JaxEngine:
                 tokens[row, : len(part)] = part
                 advance[row] = len(part)
             self.dispatches += 1
-            advance = jax.device_put(advance)
-            hidden, self.cache = self._prefill_program(self.params, self.cache, jnp.asarray(tokens), self.lengths,
-                                                       advance)
+            tokens, advance = jax.device_put((tokens, advance))
+            hidden, self.cache = self._prefill_program(self.params, self.cache, tokens, self.lengths, advance)
             self.lengths = self.lengths + advance
             hidden_chunks.append(hidden)
         if self.hidden_layers:
