@@ -1,13 +1,15 @@
 """The serving scheduler's fused cycle, driven step by step (no thread, no HTTP), on both engines: a greedy request
 gets the tokens `specdec generate`'s cycle gives its prompt on the same engine (the first of a batch of equal
 prompts), a sampled one those it gets alone, also beside other requests and when the cycle prefetches (as on a
-GPU): a request admitted while a cycle is in flight."""
+GPU): a request admitted while a cycle is in flight. The JAX engine's server may run several cycles a call; its
+requests get the same tokens."""
 
 from __future__ import annotations
 
 import pytest
 
 from specdec.drafters.ngram import NgramDrafter
+from specdec.errors import SpecdecError
 from specdec.generate import StopCondition, run_cycles
 from specdec.models.torch_gemma import GemmaModel
 from specdec.sampling import SamplingParams
@@ -50,12 +52,19 @@ def generated(engine, prompt, max_new_tokens, sampling=SamplingParams(), k=4) ->
 class Steps:
     """A scheduler whose loop the test turns by hand."""
 
-    def __init__(self, engine, k: int, prefetch: bool = False):
-        self.scheduler = Scheduler(engine, SpeculativeConfig("ngram", k) if k else SpeculativeConfig())
+    def __init__(self, engine, k: int, prefetch: bool = False, cycles_per_call: int = 1):
+        if cycles_per_call > 1 and not is_jax(engine):
+            pytest.skip("a torch cycle is one graph replay")
+        self.scheduler = Scheduler(engine, SpeculativeConfig("ngram", k) if k else SpeculativeConfig(),
+                                   cycles_per_call)
         self.scheduler.cycle.prefetch = prefetch  # a CPU engine's default is off
 
+    turns = 0
+
     def turn(self) -> None:
-        """One iteration of the scheduler's loop."""
+        """One iteration of the scheduler's loop (a bound on them: a loop that serves nothing fails, not hangs)."""
+        self.turns += 1
+        assert self.turns <= 2000, "the scheduler's loop turns without finishing its requests"
         self.scheduler._turn()
 
     def run(self, req: Request) -> list[int]:
@@ -67,15 +76,17 @@ class Steps:
 
 @pytest.mark.parametrize("k", [0, 4])
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_a_greedy_request_gets_the_tokens_of_generate(engine, k, prefetch):
-    served = Steps(engine, k, prefetch=prefetch).run(request(PROMPT, NEW_TOKENS))
+@pytest.mark.parametrize("cycles_per_call", [1, 3])
+def test_a_greedy_request_gets_the_tokens_of_generate(engine, k, prefetch, cycles_per_call):
+    served = Steps(engine, k, prefetch, cycles_per_call).run(request(PROMPT, NEW_TOKENS))
     assert served == generated(engine, PROMPT, NEW_TOKENS, k=k)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_a_greedy_request_keeps_its_tokens_when_a_sampled_one_joins_and_leaves(engine, prefetch):
+@pytest.mark.parametrize("cycles_per_call", [1, 3])
+def test_a_greedy_request_keeps_its_tokens_when_a_sampled_one_joins_and_leaves(engine, prefetch, cycles_per_call):
     solo = Steps(engine, 4).run(request(PROMPT, NEW_TOKENS))
-    steps = Steps(engine, 4, prefetch=prefetch)
+    steps = Steps(engine, 4, prefetch, cycles_per_call)
     scheduler = steps.scheduler
     greedy = request(PROMPT, NEW_TOKENS)
     scheduler.submit(greedy)
@@ -134,15 +145,18 @@ def test_a_cancelled_row_stops_advancing_and_its_row_serves_the_next_request(eng
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_a_request_that_fills_the_context_leaves_its_row_safe_for_the_rows_beside_it(engine, prefetch):
+@pytest.mark.parametrize("cycles_per_call", [1, 3])
+def test_a_request_that_fills_the_context_leaves_its_row_safe_for_the_rows_beside_it(engine, prefetch,
+                                                                                       cycles_per_call):
     """Its last cycle may accept past its budget; the row must not advance past the context, or the cycles the
     other rows go on with would run its position past the cache and the RoPE tables. With prefetch the second
-    request arrives while a cycle is in flight."""
+    request arrives while a cycle is in flight; with several cycles a call the first one's row rides along, done,
+    to its call's end."""
     longest = engine.max_seq_len - engine.width + 1 - len(PROMPT)  # what the server allows without max_tokens
     short = [7, 3, 7, 3, 7]
     solo_long = Steps(engine, 4).run(request(PROMPT, longest))
     solo_short = Steps(engine, 4).run(request(short, 80))
-    steps = Steps(engine, 4, prefetch=prefetch)
+    steps = Steps(engine, 4, prefetch, cycles_per_call)
     scheduler = steps.scheduler
     first, second = request(PROMPT, longest), request(short, 80)
     scheduler.submit(first)
@@ -155,12 +169,13 @@ def test_a_request_that_fills_the_context_leaves_its_row_safe_for_the_rows_besid
     assert int(scheduler.engine.lengths.max()) < engine.max_seq_len - engine.width + 1
 
 
-def test_a_prefetching_cycle_hands_out_the_cycle_in_flight_before_a_request_is_admitted(engine):
+@pytest.mark.parametrize("cycles_per_call", [1, 3])
+def test_a_prefetching_cycle_hands_out_the_cycle_in_flight_before_a_request_is_admitted(engine, cycles_per_call):
     """Requests arriving one after another while fused cycles run ahead: each gets its solo tokens, and no turn
-    admits a row while a cycle is in flight (the cycle refuses that)."""
+    admits a row while a cycle run over the rows as they were waits to be handed out (the cycle refuses that)."""
     prompts = [PROMPT, [7, 3, 7, 3, 7], [4, 4, 9, 4, 4, 9, 4], PROMPT[:5]]
     solo = [Steps(engine, 4).run(request(p, 16)) for p in prompts]
-    steps = Steps(engine, 4, prefetch=True)
+    steps = Steps(engine, 4, True, cycles_per_call)
     scheduler = steps.scheduler
     requests = [request(p, 16) for p in prompts]
     for req in requests:
@@ -192,3 +207,27 @@ def test_requests_admitted_in_one_turn_get_their_solo_tokens(engine, monkeypatch
     assert [r.tokens for r in requests] == solo
     if is_jax(engine):
         assert prefills == [[0, 1]]
+
+
+def test_a_request_the_host_stops_mid_call_decodes_to_its_end_and_its_row_serves_the_next(engine):
+    """Three cycles a call: an EOS ends the first request inside a call, its row running on to the call's end while
+    the other request decodes; the next request takes the freed row. Each gets its tokens of one cycle a call."""
+    long, after = request(PROMPT, NEW_TOKENS), request([7, 3, 7, 3, 7], 12)
+    solo = [Steps(engine, 4).run(request(r.prompt, r.stop.max_new_tokens)) for r in (long, after)]
+    eos = solo[1][4]  # a token of its own: the stopped request's solo tokens up to it
+    stopped_solo = solo[1][: solo[1].index(eos) + 1]
+    steps = Steps(engine, 4, True, cycles_per_call=3)
+    stopped = Request([7, 3, 7, 3, 7], SamplingParams(), StopCondition(12, eos_ids=[eos]), lambda update: None)
+    for req in (long, stopped, after):
+        steps.scheduler.submit(req)
+    while steps.scheduler.running or steps.scheduler.num_waiting:
+        steps.turn()
+    assert stopped.tokens == stopped_solo and (long.tokens, after.tokens) == tuple(solo)
+
+
+def test_only_the_jax_server_runs_several_cycles_a_call(engine):
+    if is_jax(engine):
+        assert Scheduler(engine, SpeculativeConfig(), 3).cycle.cycles_per_call == 3
+    else:
+        with pytest.raises(SpecdecError, match="only the JAX engine runs several cycles a call"):
+            Scheduler(engine, SpeculativeConfig(), 3)

@@ -66,7 +66,7 @@ def test_models_and_health(served, client):
     server, url = served
     assert [m.id for m in client.models.list().data] == ["tiny-chat"]
     assert httpx.get(url + "/health").json() == {"status": "ok", "running": 0, "waiting": 0, "max_num_seqs": 4,
-                                                 "engine": "torch", "device": "cpu",
+                                                 "engine": "torch", "device": "cpu", "cycles_per_call": 1,
                                                  "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
                                                                         "prompt_lookup_min": 1, "prompt_lookup_max": 3}}
 
@@ -208,10 +208,14 @@ def test_the_load_generator_reports_each_concurrency(served):
     assert record["device"] == "cpu" and record["model"] == "tiny-chat" and record["date"]
 
 
-def test_jax_engine_serves_plain_decoding_and_refuses_chat_without_a_template(random_checkpoints, tmp_path):
+@pytest.mark.parametrize("cycles_per_call", [1, 3])
+def test_jax_engine_serves_plain_decoding_and_refuses_chat_without_a_template(random_checkpoints, tmp_path,
+                                                                               cycles_per_call):
     ckpt = tiny_checkpoint(random_checkpoints, tmp_path / "tiny-base", chat_template=None)
-    server, url = start_server(ServeConfig(target=ckpt, engine="jax", port=0, max_num_seqs=2, max_model_len=128))
+    server, url = start_server(ServeConfig(target=ckpt, engine="jax", port=0, max_num_seqs=2, max_model_len=128,
+                                           cycles_per_call=cycles_per_call))
     try:
+        assert httpx.get(url + "/health").json()["cycles_per_call"] == cycles_per_call
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         whole = client.completions.create(model="tiny-base", prompt=PROMPTS[0], max_tokens=6, temperature=0)
         streamed = client.completions.create(model="tiny-base", prompt=PROMPTS[0], max_tokens=6, temperature=0,
@@ -231,6 +235,7 @@ def test_jax_engine_serves_plain_decoding_and_refuses_chat_without_a_template(ra
     (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}'], "unknown keys"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--cycles-per-call", "0"], "--cycles-per-call must be >= 1"),
     (["--engine", "tensorflow"], "unknown engine"),
     (["--target", "/nonexistent"], "not a checkpoint directory"),
 ])

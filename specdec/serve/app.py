@@ -54,6 +54,7 @@ class ServeConfig:
     fp8: bool = False  # FP8 linears (specdec.models.fp8)
     compile: bool = True  # torch on CUDA: torch.compile the forward; JAX: prefill's own program (a server repays both)
     graph_prefill: bool = False  # torch, compiled on CUDA: prefill as CUDA graphs (TorchEngine's graph_prefill)
+    cycles_per_call: int = 1  # JAX: decode cycles a device call (the Scheduler's)
 
 
 class ModelServer:
@@ -66,6 +67,8 @@ class ModelServer:
             raise SpecdecError(f"--max-num-seqs must be >= 1, got {config.max_num_seqs}")
         if not 0 <= config.port < 65536:
             raise SpecdecError(f"--port must be in 0..65535, got {config.port}")
+        if config.cycles_per_call < 1:
+            raise SpecdecError(f"--cycles-per-call must be >= 1, got {config.cycles_per_call}")
         self.config = config
         self.target = specdec.load(config.target, engine=config.engine, dtype=config.dtype,
                                    k_max=max(config.speculative.k, 1), max_seq_len=config.max_model_len,
@@ -75,7 +78,7 @@ class ModelServer:
         self.model_name = config.served_model_name or self.target.path.name
         self.device = device_name(self.target)
         self.created = int(time.time())
-        self.scheduler = Scheduler(self.target.engine, config.speculative)
+        self.scheduler = Scheduler(self.target.engine, config.speculative, config.cycles_per_call)
         self.metrics = ServerMetrics(self.scheduler, ENDPOINTS)
         self.app = create_app(self)
         self._http = None
@@ -304,7 +307,7 @@ def create_app(server: ModelServer) -> FastAPI:
     async def health():
         s = server.scheduler
         return {"status": "ok", "running": s.running, "waiting": s.num_waiting, "max_num_seqs": len(s.rows),
-                "engine": server.config.engine, "device": server.device,
+                "engine": server.config.engine, "device": server.device, "cycles_per_call": s.cycles_per_call,
                 "speculative_config": asdict(server.config.speculative)}
 
     @app.get("/metrics")

@@ -14,7 +14,9 @@ as in `specdec generate`. Each row is accepted by its request's sampling setting
 alone while no sampled request is in flight), its draws keyed by its seed and position (specdec.acceptance), so a
 seeded request draws the same numbers whatever else shares the batch. On a GPU the next cycle is launched before
 this one's results are read, so the device decodes while this thread hands out tokens. Before it admits a
-request, the loop reads the cycle in flight, which ran over the rows as they were.
+request, the loop hands out the cycles run or in flight, which ran over the rows as they were. The JAX engine can
+run several cycles a call (`cycles_per_call`), which spreads a call's host cost over them: a request then joins
+and leaves between calls, and a row stopped by EOS or a stop string decodes on to its call's end, unread.
 
 Every row of every forward runs at one fixed shape (the engine's row-invariant decode width), so a
 request's tokens are those it gets alone in the same server.
@@ -110,9 +112,10 @@ class Scheduler:
     """Runs requests on a batch-B verifier with continuous batching (module docstring). `submit` from any
     thread; `stats` (SpecStats over every row cycle) and the counters are read by the metrics."""
 
-    def __init__(self, engine: Verifier, speculative: SpeculativeConfig):
+    def __init__(self, engine: Verifier, speculative: SpeculativeConfig, cycles_per_call: int = 1):
         if speculative.k > engine.k_max:
             raise SpecdecError(f"num_speculative_tokens={speculative.k} exceeds the engine's k_max {engine.k_max}")
+        self.cycles_per_call = cycles_per_call
         self.engine = engine
         self.speculative = speculative
         self.k = speculative.k
@@ -127,16 +130,19 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
 
     def _fused_cycle(self):
-        """The fused cycle over the whole batch, its rows free: torch's FusedCycle, or a JaxFusedCycle of one
-        cycle per call (a request joins or leaves between any two cycles)."""
+        """The fused cycle over the whole batch, its rows free: torch's FusedCycle (a graph replay a cycle), or a
+        JaxFusedCycle of `cycles_per_call` cycles a call."""
         spec = self.speculative
         jax = type(self.engine).__module__.endswith("jax_engine")
+        if not jax and self.cycles_per_call != 1:
+            raise SpecdecError(f"--cycles-per-call {self.cycles_per_call}: only the JAX engine runs several cycles "
+                               "a call (a torch cycle is one graph replay)")
         draft_fn = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max).device_draft_fn(
             "jax" if jax else "torch", self.k) if self.k else None
         if jax:
             from specdec.verifiers.jax_engine import JaxFusedCycle
 
-            return JaxFusedCycle(self.engine, draft_fn, self.k, cycles_per_call=1)
+            return JaxFusedCycle(self.engine, draft_fn, self.k, cycles_per_call=self.cycles_per_call)
         from specdec.verifiers.torch_engine import FusedCycle
 
         cycle = FusedCycle(self.engine, draft_fn, self.k)
@@ -219,10 +225,9 @@ class Scheduler:
         return [b for b, row in enumerate(self.rows) if row is not None]
 
     def _collect(self) -> None:
-        """Hand out the results of the fused cycle in flight, if any, to the rows still running. An admission
-        comes after it: that cycle ran over the rows as they were."""
-        result = self.cycle.collect()
-        if result is not None:
+        """Hand out the cycles run or in flight, if any, to the rows still running. An admission comes after
+        them: they ran over the rows as they were."""
+        while (result := self.cycle.collect()) is not None:
             self._deliver(self._active(), result)
 
     def _drop_cancelled(self) -> None:

@@ -913,13 +913,15 @@ class JaxFusedCycle:
               sampling: SamplingParams = SamplingParams()) -> None:
         """Start a request in one row while the other rows keep theirs, with its budget, settings and seed (None:
         0); each row is then accepted by its own settings (RowSampling). The prompt is checked now and prefilled
-        before the next call, in the same forwards as every row admitted since (the engine's prefill_rows). A
-        cycle of one cycle per call, with a stateless drafter: a stateful drafter's state spans the batch."""
-        if _stateful(self.draft_fn) or self.cycles_per_call != 1:
-            raise SpecdecError("rows are admitted only into cycles of one cycle per call with a stateless drafter")
-        if self._in_flight is not None:
-            raise SpecdecError("a row is admitted while a call is in flight, which ran over the rows as they were: "
-                               "collect it first")
+        before the next call, in the same forwards as every row admitted since (the engine's prefill_rows). With a
+        stateless drafter only: a stateful drafter's state spans the batch. With several cycles a call, a request
+        joins between calls; the device stops its row at its budget, and a row the host stops (EOS, a stop
+        string) decodes on to its call's end, its tokens there the caller's to drop."""
+        if _stateful(self.draft_fn):
+            raise SpecdecError("rows are admitted only into cycles with a stateless drafter")
+        if self._in_flight is not None or self._ready:
+            raise SpecdecError("a row is admitted while cycles that ran over the rows as they were wait to be handed "
+                               "out: collect them first")
         self.verifier._check_prompt(prompt)
         self._start_serving()
         self._rows[row] = dataclasses.replace(sampling, seed=None)
@@ -937,11 +939,11 @@ class JaxFusedCycle:
         self._set_rules()
 
     def collect(self) -> CycleResult | None:
-        """The results of the call in flight (one cycle), dispatching none; None if there is none."""
-        if self._in_flight is None:
-            return None
-        results, self._in_flight = self._in_flight, None
-        self._read(results)
+        """The next cycle already run or running (a call in flight is read), dispatching none; None once every
+        cycle run is handed out."""
+        if self._in_flight is not None:
+            results, self._in_flight = self._in_flight, None
+            self._read(results)
         return self._ready.pop() if self._ready else None
 
     def _start_serving(self) -> None:

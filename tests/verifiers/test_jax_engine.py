@@ -334,8 +334,11 @@ def test_bad_input(engine):
         engine.verify(jnp.zeros((1, 6), jnp.int32))
     with pytest.raises(SpecdecError, match="does not fit the context of 1024"):
         engine.generate_fused([2, 5, 7], 1024)
-    with pytest.raises(SpecdecError, match="admitted only into cycles of one cycle per call"):
-        JaxFusedCycle(engine, None, 0).admit(0, [2, 5, 7], 8)
+    serving = JaxFusedCycle(engine, None, 0, cycles_per_call=3, prefetch=False)
+    serving.admit(0, [2, 5, 7], 8)
+    serving.step()  # a call of three cycles, one handed out
+    with pytest.raises(SpecdecError, match="wait to be handed out: collect them first"):
+        serving.admit(1, [2, 5, 7], 8)
     with pytest.raises(SpecdecError, match="does not fit the context of 1024"):  # checked when admitted
         JaxFusedCycle(engine, None, 0, cycles_per_call=1).admit(0, list(range(3, 1100)), 8)
     with pytest.raises(SpecdecError, match="prefill_chunk must be >= 1, got 0"):
