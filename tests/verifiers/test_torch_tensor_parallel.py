@@ -83,7 +83,9 @@ WORKER = textwrap.dedent("""
                           "experts": shape("layers.0.experts.down_proj"),
                           "tables": {name: shape(name) for name in ("embed_tokens.weight", "lm_head.weight",
                                                                     "embed_tokens_per_layer.weight")}}))
-    dist.destroy_process_group()
+    from specdec.api import leave_distributed
+
+    leave_distributed()
 """)
 
 
@@ -155,7 +157,7 @@ def test_two_devices_decode_what_one_decodes(random_checkpoints, k_eq_v_checkpoi
 
 
 GATHER_WORKER = textwrap.dedent("""
-    import os, sys
+    import sys
     import torch, torch.distributed as dist
     rank, port = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
@@ -166,11 +168,9 @@ GATHER_WORKER = textwrap.dedent("""
     compiled = torch.compile(lambda x: gather_across(x * 1, dist.group.WORLD), fullgraph=True)
     assert torch.equal(gather_across(logits, dist.group.WORLD), whole)
     assert torch.equal(compiled(logits), whole)
-    # Out without the interpreter's teardown, once every collective is done: there, torch's threads have aborted
-    # a worker whose checks had all passed ("terminate called without an active exception", once in CI).
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    from specdec.api import leave_distributed
+
+    leave_distributed()
 """)
 
 
@@ -222,7 +222,7 @@ def test_cli_tensor_parallel_without_torchrun_is_one_line(ckpt, tmp_path):
 
 
 PARTS_WORKER = textwrap.dedent("""
-    import hashlib, json, os, sys
+    import hashlib, json, sys
     import torch, torch.distributed as dist
     rank, world, port, ckpt, parts, fp8 = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6] == "fp8"
     if world > 1:
@@ -240,10 +240,9 @@ PARTS_WORKER = textwrap.dedent("""
         logits = engine.verify(torch.tensor([[int(pending[0]), 7, 8, 9, 10]])).logits.float()
     if rank == 0:
         print(json.dumps({"plain": plain, "logits": hashlib.sha256(logits.numpy().tobytes()).hexdigest(), "fp8": model.fp8}))
-    if world > 1:
-        dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    from specdec.api import leave_distributed
+
+    leave_distributed()
 """)
 
 
