@@ -206,8 +206,9 @@ def init_distributed(cuda: bool | None = None) -> int:
 def leave_distributed() -> None:
     """End this process once its work is done and its output written: the ranks meet, then os._exit, past the
     group's teardown. A gloo rank torn down while the other still held their pair aborted ("terminate called
-    without an active exception", 1 run in 6 without the meeting, and once in CI with it); NCCL's teardown hangs
-    once its collectives were captured in CUDA graphs (pytorch#115388, seen on two H100s)."""
+    without an active exception", 1 run in 6 without the meeting; test workers that left by the teardown aborted
+    twice in CI since); NCCL's teardown hangs once its collectives were captured in CUDA graphs (pytorch#115388,
+    seen on two H100s)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
