@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--engine", default="torch")
     parser.add_argument("--max-num-seqs", type=int, help="rows of the in-process server [default: the largest concurrency]")
     parser.add_argument("--speculative-config", help="the in-process server's, as `specdec serve` takes it")
-    parser.add_argument("--cycles-per-call", type=int, default=1, help="the in-process JAX server's")
+    parser.add_argument("--cycles-per-call", type=int, help="the in-process JAX server's [default: the server's]")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
     parser.add_argument("--requests-per-client", type=int, default=4)

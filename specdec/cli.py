@@ -387,7 +387,7 @@ def serve(
     compile: bool = typer.Option(True, help="torch.compile the forward (torch on CUDA); JAX: prefill in a program of its own"),
     fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight"),
     graph_prefill: bool = typer.Option(False, help="torch, compiled on CUDA: prefill as CUDA graphs, ~2.5x shorter on the 270M, but each decode cycle ~12% longer (H200): for short requests"),
-    cycles_per_call: int = typer.Option(1, help="JAX: decode cycles a device call; more spread a call's host cost (~0.7 ms on an H200 host, the 270M's cycle 0.53) over them, and a request joins or stops between calls"),
+    cycles_per_call: Optional[int] = typer.Option(None, help="JAX: decode cycles a device call; more spread a call's host cost (~0.7 ms on an H200 host) over them, and a request joins or stops between calls [default: 2 on JAX; torch runs 1]"),
 ):
     """Serve the OpenAI API (completions and chat, streamed or whole) from one warm engine, batching
     concurrent requests continuously; /metrics for Prometheus, /health."""

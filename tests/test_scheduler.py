@@ -13,7 +13,7 @@ from specdec.errors import SpecdecError
 from specdec.generate import StopCondition, run_cycles
 from specdec.models.torch_gemma import GemmaModel
 from specdec.sampling import SamplingParams
-from specdec.serve.scheduler import Request, Scheduler, SpeculativeConfig
+from specdec.serve.scheduler import JAX_CYCLES_PER_CALL, Request, Scheduler, SpeculativeConfig
 from specdec.verifiers.torch_engine import TorchEngine
 
 PROMPT = [2, 17, 301, 17, 301, 17, 45, 9, 45, 9]
@@ -229,6 +229,8 @@ def test_a_request_the_host_stops_mid_call_decodes_to_its_end_and_its_row_serves
 def test_only_the_jax_server_runs_several_cycles_a_call(engine):
     if is_jax(engine):
         assert Scheduler(engine, SpeculativeConfig(), 3).cycle.cycles_per_call == 3
+        assert Scheduler(engine, SpeculativeConfig()).cycle.cycles_per_call == JAX_CYCLES_PER_CALL > 1
     else:
+        assert Scheduler(engine, SpeculativeConfig()).cycle.cycles_per_call == 1
         with pytest.raises(SpecdecError, match="only the JAX engine runs several cycles a call"):
             Scheduler(engine, SpeculativeConfig(), 3)

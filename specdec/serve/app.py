@@ -54,7 +54,7 @@ class ServeConfig:
     fp8: bool = False  # FP8 linears (specdec.models.fp8)
     compile: bool = True  # torch on CUDA: torch.compile the forward; JAX: prefill's own program (a server repays both)
     graph_prefill: bool = False  # torch, compiled on CUDA: prefill as CUDA graphs (TorchEngine's graph_prefill)
-    cycles_per_call: int = 1  # JAX: decode cycles a device call (the Scheduler's)
+    cycles_per_call: int | None = None  # JAX: decode cycles a device call (None: the Scheduler's default)
 
 
 class ModelServer:
@@ -67,7 +67,7 @@ class ModelServer:
             raise SpecdecError(f"--max-num-seqs must be >= 1, got {config.max_num_seqs}")
         if not 0 <= config.port < 65536:
             raise SpecdecError(f"--port must be in 0..65535, got {config.port}")
-        if config.cycles_per_call < 1:
+        if config.cycles_per_call is not None and config.cycles_per_call < 1:
             raise SpecdecError(f"--cycles-per-call must be >= 1, got {config.cycles_per_call}")
         self.config = config
         self.target = specdec.load(config.target, engine=config.engine, dtype=config.dtype,

@@ -38,6 +38,11 @@ from specdec.sampling import SamplingParams
 
 log = logging.getLogger("specdec.serve")
 
+# A JAX server's default cycles a call. A call costs the host ~0.7 ms (its ~230 arrays), about a 270M cycle's
+# device time at 8 rows; two cycles a call served 6-14% more tokens/s to 1-8 clients on an H200, and a request
+# waits at most one call longer to join (docs/benchmarks.md). A torch cycle is one graph replay.
+JAX_CYCLES_PER_CALL = 2
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -112,9 +117,13 @@ class Scheduler:
     """Runs requests on a batch-B verifier with continuous batching (module docstring). `submit` from any
     thread; `stats` (SpecStats over every row cycle) and the counters are read by the metrics."""
 
-    def __init__(self, engine: Verifier, speculative: SpeculativeConfig, cycles_per_call: int = 1):
+    def __init__(self, engine: Verifier, speculative: SpeculativeConfig, cycles_per_call: int | None = None):
+        """`cycles_per_call` None: JAX_CYCLES_PER_CALL on the JAX engine, 1 on torch."""
         if speculative.k > engine.k_max:
             raise SpecdecError(f"num_speculative_tokens={speculative.k} exceeds the engine's k_max {engine.k_max}")
+        self._jax = type(engine).__module__.endswith("jax_engine")
+        if cycles_per_call is None:
+            cycles_per_call = JAX_CYCLES_PER_CALL if self._jax else 1
         self.cycles_per_call = cycles_per_call
         self.engine = engine
         self.speculative = speculative
@@ -133,13 +142,12 @@ class Scheduler:
         """The fused cycle over the whole batch, its rows free: torch's FusedCycle (a graph replay a cycle), or a
         JaxFusedCycle of `cycles_per_call` cycles a call."""
         spec = self.speculative
-        jax = type(self.engine).__module__.endswith("jax_engine")
-        if not jax and self.cycles_per_call != 1:
+        if not self._jax and self.cycles_per_call != 1:
             raise SpecdecError(f"--cycles-per-call {self.cycles_per_call}: only the JAX engine runs several cycles "
                                "a call (a torch cycle is one graph replay)")
         draft_fn = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max).device_draft_fn(
-            "jax" if jax else "torch", self.k) if self.k else None
-        if jax:
+            "jax" if self._jax else "torch", self.k) if self.k else None
+        if self._jax:
             from specdec.verifiers.jax_engine import JaxFusedCycle
 
             return JaxFusedCycle(self.engine, draft_fn, self.k, cycles_per_call=self.cycles_per_call)
