@@ -1,0 +1,108 @@
+"""The server's scheduler timed without HTTP: requests sent one after another, as one client sends them, to a
+scheduler of each engine, rows and cycles per call. It reports tokens/s, ms per cycle, and the part of it in the
+fused cycle's `step` (a call's dispatch and read, and the device's wait); the rest is admission, prefill and
+handing out tokens. Against `scripts/bench_serve.py` at one client it shows what the HTTP side costs, and across
+rows what a batch's idle rows cost one request.
+
+    python scripts/time_scheduler.py --target DIR --engines jax,torch --rows 1,8 --cycles-per-call 1,4 \\
+        [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'] [--out timings.json]
+
+Torch runs one cycle a call alone: its other counts are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from specdec.evidence import git_commit, now_utc
+from specdec.generate import StopCondition
+from specdec.sampling import SamplingParams
+from specdec.serve.scheduler import Scheduler, SpeculativeConfig
+
+DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "identical_greedy.jsonl"
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def time_requests(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Greedy requests of `max_tokens` one after another through a started scheduler, after one warm-up request:
+    tokens/s, cycles, ms a cycle, and ms a cycle inside the cycle's `step`."""
+    scheduler.generate(prompts[0], SamplingParams(), StopCondition(2))  # compiles and captures what greedy runs
+    cycle = scheduler.cycle
+    in_step = 0.0
+    step = cycle.step
+
+    def timed_step(*args, **kwargs):
+        nonlocal in_step
+        start = time.perf_counter()
+        result = step(*args, **kwargs)
+        in_step += time.perf_counter() - start
+        return result
+
+    cycle.step = timed_step
+    try:
+        scheduler.reset_stats()
+        start, tokens = time.perf_counter(), 0
+        for prompt in prompts:
+            tokens += len(scheduler.generate(prompt, SamplingParams(), StopCondition(max_tokens)))
+        wall = time.perf_counter() - start
+    finally:
+        del cycle.step  # the instance's wrapper goes, the class's method is back
+    cycles = scheduler.steps
+    return {"requests": len(prompts), "tokens": tokens, "tok_s": tokens / wall, "cycles": cycles,
+            "tau": scheduler.stats.tau, "ms_per_cycle": wall * 1e3 / cycles, "step_ms_per_cycle": in_step * 1e3 / cycles}
+
+
+def main() -> int:
+    import specdec
+    from specdec.cli import read_prompts
+    from specdec.serve.app import device_name
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, help="checkpoint [default: the embedded 270M]")
+    parser.add_argument("--engines", default="jax,torch")
+    parser.add_argument("--rows", type=ints, default=[1, 8], help="the scheduler's rows (a server's --max-num-seqs)")
+    parser.add_argument("--cycles-per-call", type=ints, default=[1, 2, 4], help="the JAX scheduler's")
+    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path("scheduler-timings.json"))
+    args = parser.parse_args()
+
+    spec = SpeculativeConfig.from_json(args.speculative_config)
+    texts = read_prompts(args.prompts)
+    rows, device = [], None
+    for engine_name in args.engines.split(","):
+        for batch in args.rows:
+            target = specdec.load(args.target, engine=engine_name, k_max=max(spec.k, 1), batch=batch)
+            device = device_name(target)
+            if engine_name == "torch":
+                target.engine.warm_up_prefill()
+            prompts = [target.tokenizer.encode(texts[i % len(texts)]) for i in range(args.requests)]
+            for cycles_per_call in args.cycles_per_call if engine_name == "jax" else [1]:
+                scheduler = Scheduler(target.engine, spec, cycles_per_call)
+                scheduler.start()
+                try:
+                    row = {"engine": engine_name, "rows": batch, "cycles_per_call": cycles_per_call,
+                           **time_requests(scheduler, prompts, args.max_tokens)}
+                finally:
+                    scheduler.stop()
+                rows.append(row)
+                print(f"{engine_name:<6} rows {batch:>2} · {cycles_per_call} a call: {row['tok_s']:,.0f} tok/s, "
+                      f"{row['ms_per_cycle']:.3f} ms a cycle ({row['step_ms_per_cycle']:.3f} in step), "
+                      f"tau {row['tau']:.2f}", flush=True)
+    record = {"device": device, "date": now_utc(), "commit": git_commit(), "model": (args.target or Path("270m")).name,
+              "speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens, "rows": rows}
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"results in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
