@@ -5,7 +5,7 @@ handing out tokens. Against `scripts/bench_serve.py` at one client it shows what
 rows what a batch's idle rows cost one request.
 
     python scripts/time_scheduler.py --target DIR --engines jax,torch --rows 1,8 --cycles-per-call 1,4 \\
-        [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'] [--out timings.json]
+        [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'] [--out timings.json] [--plot t.png]
 
 Torch runs one cycle a call alone: its other counts are skipped.
 """
@@ -58,6 +58,31 @@ def time_requests(scheduler: Scheduler, prompts: list[list[int]], max_tokens: in
             "tau": scheduler.stats.tau, "ms_per_cycle": wall * 1e3 / cycles, "step_ms_per_cycle": in_step * 1e3 / cycles}
 
 
+def plot_timings(record: dict, path: Path) -> None:
+    """ms a cycle against cycles a call, a line per engine and rows, the part in `step` dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for (engine, batch), color in zip(sorted({(r["engine"], r["rows"]) for r in record["rows"]}), plt.cm.tab10.colors):
+        runs = [r for r in record["rows"] if (r["engine"], r["rows"]) == (engine, batch)]
+        calls = [r["cycles_per_call"] for r in runs]
+        ax.plot(calls, [r["ms_per_cycle"] for r in runs], "o-", color=color, label=f"{engine}, {batch} row{'s' * (batch > 1)}")
+        ax.plot(calls, [r["step_ms_per_cycle"] for r in runs], "x--", color=color, alpha=0.6)
+    ax.set_xticks(sorted({r["cycles_per_call"] for r in record["rows"]}))
+    ax.set_xlabel("cycles a call")
+    ax.set_ylabel("ms a cycle (dashed: in step)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"scheduler without HTTP · {record['model']} · {record['device']} · {record['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     import specdec
     from specdec.cli import read_prompts
@@ -73,6 +98,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("scheduler-timings.json"))
+    parser.add_argument("--plot", type=Path, help="a PNG of ms a cycle against cycles a call")
     args = parser.parse_args()
 
     spec = SpeculativeConfig.from_json(args.speculative_config)
@@ -100,7 +126,9 @@ def main() -> int:
     record = {"device": device, "date": now_utc(), "commit": git_commit(), "model": (args.target or Path("270m")).name,
               "speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens, "rows": rows}
     args.out.write_text(json.dumps(record, indent=1))
-    print(f"results in {args.out}")
+    if args.plot:
+        plot_timings(record, args.plot)
+    print(f"results in {args.out}" + (f", plot in {args.plot}" if args.plot else ""))
     return 0
 
 

@@ -10,12 +10,13 @@ from tests.scripts import load_script
 def test_each_engine_rows_and_cycle_count_is_timed_over_whole_requests(random_checkpoints, tmp_path, monkeypatch):
     script = load_script("time_scheduler")
     ckpt = with_real_tokenizer(random_checkpoints["gemma3"], tmp_path / "tiny")
-    out = tmp_path / "t.json"
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
     monkeypatch.setattr("sys.argv", ["time_scheduler", "--target", str(ckpt), "--engines", "jax,torch",
                                      "--rows", "2", "--cycles-per-call", "1,3", "--requests", "2",
-                                     "--max-tokens", "6", "--out", str(out)])
+                                     "--max-tokens", "6", "--out", str(out), "--plot", str(png)])
     assert script.main() == 0
     record = json.loads(out.read_text())
+    assert png.stat().st_size > 0
     assert record["device"] == "cpu" and record["commit"] and record["model"] == "tiny"
     # torch runs one cycle a call alone
     assert [(r["engine"], r["rows"], r["cycles_per_call"]) for r in record["rows"]] == [
