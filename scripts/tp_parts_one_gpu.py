@@ -14,7 +14,6 @@ script at toy sizes of the same layout, eager, as its CPU test does.
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ def rank_main(rank: int, world: int, port: str, layers: int, parts: int | None, 
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     from specdec import roofline
+    from specdec.api import leave_distributed
     from specdec.models import torch_gemma
     from specdec.models.config import GemmaConfig
     from specdec.protocol import DEFAULT_DRAFTS
@@ -52,9 +52,7 @@ def rank_main(rank: int, world: int, port: str, layers: int, parts: int | None, 
         digest = roofline.logits_digest(engine, prompt)
     if rank == 0:
         print(json.dumps({"devices": world, "tp_parts": parts, "tokens": tokens, "logits_digest": digest}), flush=True)
-    if world > 1:
-        dist.barrier()
-    os._exit(0)  # past the collectives: no teardown races between the ranks
+    leave_distributed()  # the ranks meet, then exit past the group's teardown, whose races abort a rank
 
 
 def free_port() -> str:
