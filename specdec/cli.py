@@ -403,7 +403,9 @@ def serve(
                          graph_prefill=graph_prefill, cycles_per_call=cycles_per_call)
     server = ModelServer(config)
     url = server.start()
-    print(f"serving {server.model_name} at {url}/v1 ({engine}, {max_num_seqs} rows, k={config.speculative.k})", flush=True)
+    cycles = server.scheduler.cycles_per_call
+    print(f"serving {server.model_name} at {url}/v1 ({engine}, {max_num_seqs} rows, k={config.speculative.k}"
+          + (f", {cycles} cycles a call" if cycles > 1 else "") + ")", flush=True)
     server.wait()
 
 
