@@ -61,9 +61,10 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def time_cycles(cycle, prompt: list[int], cycles: int) -> float:
-    """Median seconds per cycle.step() (graph replay + host sync), after a warm-up that captures the graph."""
-    cycle.start([prompt], StopCondition(10**6))
+def time_cycles(cycle, prompt: list[int], cycles: int, rows: int = 1) -> float:
+    """Median seconds per cycle.step() (graph replay + host sync), after a warm-up that captures the graph; each of
+    the engine's `rows` decodes the prompt."""
+    cycle.start([prompt] * rows, StopCondition(10**6))
     return median_seconds(cycle.step, cycles)
 
 

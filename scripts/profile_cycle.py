@@ -114,6 +114,7 @@ def main() -> None:
                         help="decode forwards at the engine's one width (--no-invariant: each at its own; what "
                              "invariance costs is the difference)")
     parser.add_argument("--fp8", action="store_true", help="FP8 linears (specdec.models.fp8)")
+    parser.add_argument("--batch", type=int, default=1, help="rows, each decoding the prompt (a server's batch)")
     parser.add_argument("--out", type=Path, default=Path("profile-cycle.json"))
     args = parser.parse_args()
     dtype, device, context = torch.bfloat16, "cuda", args.context
@@ -132,11 +133,12 @@ def main() -> None:
         model = GemmaModel.random(GemmaConfig.from_file(args.config), dtype, device, context, fp8=args.fp8)
     cfg = model.cfg
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20000, args.prompt_tokens)]
-    plain_engine = TorchEngine(model, max_seq_len=context, k_max=args.k, invariant=args.invariant)
+    batch = args.batch
+    plain_engine = TorchEngine(model, batch=batch, max_seq_len=context, k_max=args.k, invariant=args.invariant)
 
     def eagle3_cycle():
         head = load_head(args.head) if args.head else random_head(Eagle3Config.for_target(cfg))
-        tapped_engine = TorchEngine(model, max_seq_len=context, k_max=args.k, invariant=args.invariant,
+        tapped_engine = TorchEngine(model, batch=batch, max_seq_len=context, k_max=args.k, invariant=args.invariant,
                                     hidden_layers=engine_taps(head.cfg.aux_layer_ids))
         return FusedCycle(tapped_engine, Eagle3Drafter(head, tapped_engine, args.k, SamplingParams())
                           .device_draft_fn("torch", args.k), args.k)
@@ -154,20 +156,20 @@ def main() -> None:
         log(f"{name}: capturing")
         cycle = make()
         engine = cycle.verifier
-        wall = time_cycles(cycle, prompt, args.reps) * 1e3  # replay and the host's read, as decoding runs it
+        wall = time_cycles(cycle, prompt, args.reps, batch) * 1e3  # replay and the host's read, as decoding runs it
         graph = cycle._graphs[None][0]  # the greedy rule's graph
         gpu = gpu_ms(graph.replay, args.reps)
         cycle_kernels = kernels(graph.replay, 20)
         # the verify forward alone, of the cycle's k + 1 tokens (an invariant engine pads them to its one width)
-        verified = torch.zeros(1, cycle.k + 1, dtype=torch.long, device=device)
+        verified = torch.zeros(batch, cycle.k + 1, dtype=torch.long, device=device)
         engine.verify(verified)
         verify_graph = engine._graphs[engine.pad(verified).shape[1]][0]
         verify = gpu_ms(verify_graph.replay, args.reps)
         verify_kernels = kernels(verify_graph.replay, 20)
         # the same forward outside the graph, where the profiler sees each GEMM's operator and shapes
-        ungraphed = TorchEngine(model, max_seq_len=context, k_max=args.k, cuda_graphs=False,
+        ungraphed = TorchEngine(model, batch=batch, max_seq_len=context, k_max=args.k, cuda_graphs=False,
                                 hidden_layers=engine.hidden_layers, invariant=args.invariant)
-        ungraphed.prefill([prompt])
+        ungraphed.prefill([prompt] * batch)
         verify_ops = ops_by_shape(lambda: ungraphed.verify(verified), 10)
         rows.append({"method": name, "k": cycle.k, "cycle_wall_ms": wall, "cycle_gpu_ms": gpu,
                      "verify_gpu_ms": verify, "kernels": cycle_kernels, "verify_kernels": verify_kernels,
@@ -179,12 +181,12 @@ def main() -> None:
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(dtype),
               "model": str(args.target or args.config), "weights": "checkpoint" if args.target else "random",
               "head": str(args.head or "random") if "eagle3" in args.methods else None, "invariant": args.invariant,
-              "fp8": args.fp8,
+              "fp8": args.fp8, "batch": batch,
               "width": plain_engine.width if args.invariant else None,
               "prompt_tokens": len(prompt), "rows": rows}
     args.out.write_text(json.dumps(record, indent=1))
     width = record["width"] or "k + 1 (not invariant)"
-    print(f"\n{record['device']} · {record['commit']} · width {width} · k {args.k}")
+    print(f"\n{record['device']} · {record['commit']} · batch {batch} · width {width} · k {args.k}")
     print(f"{'method':8s} {'wall ms':>8s} {'gpu ms':>7s} {'verify':>7s} {'rest':>6s} {'kernels':>8s} "
           f"{'busy ms':>8s} {'verify kernels':>15s}")
     for r in rows:
