@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,11 +23,9 @@ from specdec.generate import StopCondition
 from specdec.sampling import SamplingParams
 from specdec.serve.scheduler import Scheduler, SpeculativeConfig
 
-DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "identical_greedy.jsonl"
-
-
-def ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_serve import DEFAULT_PROMPTS  # noqa: E402
+from time_jax_generation import ints  # noqa: E402
 
 
 def time_requests(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
