@@ -67,7 +67,7 @@ def main(out: str) -> None:
             row["bmm_us"] = us_per_pair(lambda x, w: split_products(x, w, engine_splits), weights, src, x)
         kernel_splits = skinny_gemm.splits(reduction)
         config = skinny_gemm.plan(ROWS, columns, kernel_splits, reduction // kernel_splits, processors)
-        row["plan"] = dict(splits=kernel_splits, **config, taken=skinny_gemm.takes(weights[0]))
+        row["plan"] = dict(splits=kernel_splits, **config, taken=skinny_gemm.takes(weights[0], ROWS))
         row["plan_us"] = us_per_pair(lambda x, w: torch.ops.specdec.split_products(x, w, kernel_splits),
                                      weights, src, x)
         sweep = []

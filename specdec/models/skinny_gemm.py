@@ -19,10 +19,21 @@ import functools
 
 import torch
 
+from specdec.models.decode_plan import SPLIT_MAX_ROWS
+
 MAX_WEIGHT_BYTES = 8 * 2**20  # larger weights stream as fast or faster through cuBLAS (docs/benchmarks.md)
 SLICE = 256  # reduction elements per slice: one load of the weight tile, one product
 MAX_SPLITS = 16  # slices at most (the kernels that read the products add them)
 MAX_TILE = 128 * 128  # weight elements a program holds
+# Rows a program at most; more rows (a server's decode forward) take a block of them each. A row's bits depend on
+# the column block and the slice's steps alone: the same in blocks of 16, 32 or 64 rows, at 8 to 128 rows, for the
+# 270M's and E4B's products (H200). At 64 rows, blocks of 64 ran the 270M's four products in 20.9 us, blocks of 32
+# in 22.6, cuBLAS in 26.1 (docs/benchmarks.md).
+ROW_BLOCK = 64
+# A static forward of up to this many rows (a server's 8 rows of 8 tokens) takes the kernel for bf16 weights too:
+# a row then keeps its bits whatever the number of rows, so a server may run its cycles over the rows in use
+# (torch_engine.FusedCycle's widths).
+WIDE_MAX_ROWS = 64
 # FP8 weights, of any size (fp8_splits, plan): 32 columns a program, stepping through its slice 128 deep in a loop
 # pipelined 4 deep. Swept by scripts/tune_fp8_products.py on an H200 over 20 products of the 270M, E4B and the 31B:
 # the fastest block for 18 of them (docs/benchmarks.md).
@@ -94,8 +105,8 @@ def _kernel():
     def split_products_kernel(x, w, scale, out, rows, columns, part, stride_xm, stride_wn, stride_wk,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               STEPS: tl.constexpr, STAGES: tl.constexpr):
-        block, split = tl.program_id(0), tl.program_id(1)
-        m = tl.arange(0, BLOCK_M)
+        block, split, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
         n = block * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
         start = split * part
@@ -123,12 +134,15 @@ def _kernel():
     return split_products_kernel
 
 
-def takes(weight: torch.Tensor) -> bool:
-    """Whether a product of few rows with `weight` runs here: bf16 or fp16 weights up to MAX_WEIGHT_BYTES, FP8
-    weights of any size (cuBLAS has no product of them with bf16 rows)."""
-    small = weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
+def takes(weight: torch.Tensor, rows) -> bool:
+    """Whether a product of `rows` rows with `weight` runs here. Up to SPLIT_MAX_ROWS rows: bf16 or fp16 weights up
+    to MAX_WEIGHT_BYTES, FP8 weights of any size (cuBLAS has no product of them with bf16 rows). Up to WIDE_MAX_ROWS
+    rows known when compiled (a decode forward's), those bf16 or fp16 weights: a prefill's rows are symbolic, and a
+    bound on them would split its dynamic program in two. (FP8 slices by the rows: fp8_splits.)"""
     fp8 = weight.dtype == torch.float8_e4m3fn
-    return (fp8 or (weight.dtype in (torch.bfloat16, torch.float16) and small)) and available()
+    small = weight.dtype in (torch.bfloat16, torch.float16) and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
+    wide = small and isinstance(rows, int) and rows <= WIDE_MAX_ROWS
+    return (((fp8 or small) and rows <= SPLIT_MAX_ROWS) or wide) and available()
 
 
 def splits(reduction: int) -> int:
@@ -153,13 +167,14 @@ def fp8_splits(rows: int, columns: int, reduction: int) -> int:
 
 
 def plan(rows: int, columns: int, splits: int, part: int, processors: int, itemsize: int = 2) -> dict:
-    """Block sizes for `rows` rows (at most 32), a weight of `columns`, `splits` slices of the reduction of `part`
-    each, on a GPU of `processors` SMs: the whole slice in one step where it fits, and the widest column block that
+    """Block sizes for `rows` rows, a weight of `columns`, `splits` slices of the reduction of `part` each, on a GPU
+    of `processors` SMs: up to ROW_BLOCK rows a program (the rows alone never change the other blocks), the whole
+    slice in one step where it fits, and the widest column block that
     still gives every SM a program (the weight then streams through all of them). Blocks of at least 16, as
     tensor-core products need. Swept by scripts/tune_skinny_gemm.py on an H100: within 0.7 us of the best
     configuration for the products it takes, and 0.8-2.0 us faster than the batched GEMM (docs/benchmarks.md).
     FP8 weights (`itemsize` 1) take FP8_BLOCK_N and FP8_BLOCK_K, pipelined where the slice takes several steps."""
-    block_m = max(16, 1 << (rows - 1).bit_length())
+    block_m = min(max(16, 1 << (rows - 1).bit_length()), ROW_BLOCK)
     if itemsize == 1:
         block_k = min(FP8_BLOCK_K, max(16, 1 << (part - 1).bit_length()))
         steps = -(-part // block_k)
@@ -188,7 +203,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, splits: int, config: dict, out
 
     rows, reduction = x.shape
     columns = weight.shape[0]
-    grid = (triton.cdiv(columns, config["BLOCK_N"]), splits)
+    grid = (triton.cdiv(columns, config["BLOCK_N"]), splits, triton.cdiv(rows, config["BLOCK_M"]))
     _kernel()[grid](x, weight, scale, out, rows, columns, reduction // splits, x.stride(0), weight.stride(0),
                     weight.stride(1), **config, launch_pdl=True)
 

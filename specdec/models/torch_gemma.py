@@ -92,12 +92,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     E4B's attention and per-layer projections, the 270M's layers) leaves most SMs idle: 0.2-2.2 TB/s on an H200.
     Compiled, the reduction there is split in slices whose products the kernel that reads them adds in float32
     (docs/benchmarks.md, issue 11): on Hopper, for bf16 weights up to skinny_gemm.MAX_WEIGHT_BYTES and FP8 weights
-    of any size, by skinny_gemm's kernel, which loads the weight while the kernel before it finishes; else as a
-    batched GEMM over `reduction_splits` slices. Eagerly, those adds would be kernels of their own, so it stays one
+    of any size, by skinny_gemm's kernel, which loads the weight while the kernel before it finishes (for bf16, a
+    server's decode forwards of up to skinny_gemm.WIDE_MAX_ROWS rows too); else as a batched GEMM over
+    `reduction_splits` slices. Eagerly, those adds would be kernels of their own, so it stays one
     GEMM."""
     if x.is_cuda and torch.compiler.is_compiling():
         rows, (columns, reduction) = x.numel() // x.shape[-1], weight.shape
-        if rows <= SPLIT_MAX_ROWS and skinny_gemm.takes(weight):
+        if skinny_gemm.takes(weight, rows):
             splits = skinny_gemm.splits(reduction) if scale is None else skinny_gemm.fp8_splits(rows, columns, reduction)
             products = torch.ops.specdec.split_products(x.reshape(rows, reduction).contiguous(), weight, splits,
                                                         scale)

@@ -36,6 +36,21 @@ def test_slices_and_blocks(name):
     assert skinny_gemm.plan(17, columns, splits, part, processors=132)["BLOCK_M"] == 32
 
 
+def test_a_servers_wider_forwards_take_blocks_of_rows():
+    """Static forwards of up to WIDE_MAX_ROWS rows take the kernel for bf16 weights, in blocks of at most ROW_BLOCK
+    rows; FP8 weights (sliced by the rows) and more rows keep their paths."""
+    weight = torch.empty(640, 2048, dtype=torch.bfloat16)
+    available = skinny_gemm.available()
+    assert skinny_gemm.takes(weight, 32) == skinny_gemm.takes(weight, 64) == available
+    assert not skinny_gemm.takes(weight, skinny_gemm.WIDE_MAX_ROWS + 1)
+    assert not skinny_gemm.takes(weight.to(torch.float8_e4m3fn), 64)
+    assert skinny_gemm.takes(weight.to(torch.float8_e4m3fn), 32) == available
+    for rows, block in [(8, 16), (17, 32), (48, 64), (64, 64), (128, 64)]:
+        assert skinny_gemm.plan(rows, 640, 8, 256, processors=132)["BLOCK_M"] == min(block, skinny_gemm.ROW_BLOCK)
+    assert {key: value for key, value in skinny_gemm.plan(64, 640, 8, 256, 132).items() if key != "BLOCK_M"} == {
+        key: value for key, value in skinny_gemm.plan(8, 640, 8, 256, 132).items() if key != "BLOCK_M"}
+
+
 def bf16(*shape, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
@@ -58,13 +73,17 @@ def test_each_slice_is_its_product(name, rows):
 
 @pytest.mark.gpu
 @hopper
-def test_a_rows_products_do_not_depend_on_the_other_rows():
-    columns, reduction, splits = SHAPES["270m gate/up"]
+@pytest.mark.parametrize("name", ["270m gate/up", "270m down", "e4b proj"])
+@pytest.mark.parametrize("rows, to", [(16, 11), (8, 3), (32, 30), (64, 40), (128, 100)])
+def test_a_rows_products_do_not_depend_on_the_other_rows_or_their_number(name, rows, to):
+    """Row 3 of a 16-row product keeps its bits moved to row `to` of a product of other rows and of 8 to 128 rows
+    (blocks of 16 to 64 rows, the row in the first block or a later one)."""
+    columns, reduction, splits = SHAPES[name]
     x, weight = bf16(16, reduction, seed=2), bf16(columns, reduction, seed=3)
     reference = torch.ops.specdec.split_products(x, weight, splits)
-    moved = bf16(16, reduction, seed=4)
-    moved[11] = x[3]
-    assert torch.equal(torch.ops.specdec.split_products(moved, weight, splits)[:, 11], reference[:, 3])
+    moved = bf16(rows, reduction, seed=4)
+    moved[to] = x[3]
+    assert torch.equal(torch.ops.specdec.split_products(moved, weight, splits)[:, to], reference[:, 3])
 
 
 @pytest.mark.gpu
