@@ -83,7 +83,7 @@ def main() -> None:
 
     def timed(label: str, cycle: FusedCycle) -> None:
         cycle.start([prompt])  # the same positions for every row
-        rows.append({"when": label, "gpu_ms": gpu_ms(cycle._graphs[None][0].replay, args.reps)})
+        rows.append({"when": label, "gpu_ms": gpu_ms(cycle._graphs[None, engine.batch][0].replay, args.reps)})
         print(f"{args.trigger:18s} {label:40s} {rows[-1]['gpu_ms']:.3f} ms", flush=True)
 
     with torch.inference_mode():
@@ -105,7 +105,7 @@ def main() -> None:
                                                         pool=torch.cuda.graph_pool_handle()),
             "pdl-kernel-graph": capture_pdl_kernel,
             "second-cycle": new_cycle,
-            "profiler": lambda: kernels(first._graphs[None][0].replay, 5),
+            "profiler": lambda: kernels(first._graphs[None, engine.batch][0].replay, 5),
         }[args.trigger]()
         timed(f"after the trigger ({args.trigger})", first)
         timed("a cycle captured after that", new_cycle())

@@ -157,7 +157,7 @@ def main() -> None:
         cycle = make()
         engine = cycle.verifier
         wall = time_cycles(cycle, prompt, args.reps, batch) * 1e3  # replay and the host's read, as decoding runs it
-        graph = cycle._graphs[None][0]  # the greedy rule's graph
+        graph = cycle._graphs[None, engine.batch][0]  # the greedy rule's graph over every row
         gpu = gpu_ms(graph.replay, args.reps)
         cycle_kernels = kernels(graph.replay, 20)
         # the verify forward alone, of the cycle's k + 1 tokens (an invariant engine pads them to its one width)

@@ -388,6 +388,7 @@ def serve(
     fp8: bool = typer.Option(False, help="FP8 linears with a scale per output row, read at one byte a weight"),
     graph_prefill: bool = typer.Option(False, help="torch, compiled on CUDA: prefill as CUDA graphs, ~2.5x shorter on the 270M, but each decode cycle ~12% longer (H200): for short requests"),
     cycles_per_call: Optional[int] = typer.Option(None, help="JAX: decode cycles a device call; more spread a call's host cost (~0.7 ms on an H200 host) over them, and a request joins or stops between calls [default: 2 on JAX; torch runs 1]"),
+    narrow_cycles: bool = typer.Option(True, help="torch: run each cycle over the rows in use (1, 2, 4, ... rows), at the widths checked at start to give a row the whole batch's bits; --no-narrow-cycles compiles one width and runs every row"),
 ):
     """Serve the OpenAI API (completions and chat, streamed or whole) from one warm engine, batching
     concurrent requests continuously; /metrics for Prometheus, /health."""
@@ -400,12 +401,13 @@ def serve(
     config = ServeConfig(target=target, engine=engine, host=host, port=port, max_num_seqs=max_num_seqs,
                          max_model_len=max_model_len, speculative=SpeculativeConfig.from_json(speculative_config),
                          served_model_name=served_model_name, dtype=dtype, compile=compile, fp8=fp8,
-                         graph_prefill=graph_prefill, cycles_per_call=cycles_per_call)
+                         graph_prefill=graph_prefill, cycles_per_call=cycles_per_call, narrow_cycles=narrow_cycles)
     server = ModelServer(config)
     url = server.start()
-    cycles = server.scheduler.cycles_per_call
+    cycles, widths = server.scheduler.cycles_per_call, server.scheduler.cycle.widths
     print(f"serving {server.model_name} at {url}/v1 ({engine}, {max_num_seqs} rows, k={config.speculative.k}"
-          + (f", {cycles} cycles a call" if cycles > 1 else "") + ")", flush=True)
+          + (f", {cycles} cycles a call" if cycles > 1 else "")
+          + (f", cycles over {'/'.join(map(str, widths))} rows" if len(widths) > 1 else "") + ")", flush=True)
     server.wait()
 
 

@@ -7,6 +7,7 @@ requests get the same tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import SpecdecError
@@ -14,7 +15,7 @@ from specdec.generate import StopCondition, run_cycles
 from specdec.models.torch_gemma import GemmaModel
 from specdec.sampling import SamplingParams
 from specdec.serve.scheduler import JAX_CYCLES_PER_CALL, Request, Scheduler, SpeculativeConfig
-from specdec.verifiers.torch_engine import TorchEngine
+from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
 PROMPT = [2, 17, 301, 17, 301, 17, 45, 9, 45, 9]
 NEW_TOKENS = 24
@@ -52,11 +53,11 @@ def generated(engine, prompt, max_new_tokens, sampling=SamplingParams(), k=4) ->
 class Steps:
     """A scheduler whose loop the test turns by hand."""
 
-    def __init__(self, engine, k: int, prefetch: bool = False, cycles_per_call: int = 1):
+    def __init__(self, engine, k: int, prefetch: bool = False, cycles_per_call: int = 1, narrow_cycles: bool = True):
         if cycles_per_call > 1 and not is_jax(engine):
             pytest.skip("a torch cycle is one graph replay")
         self.scheduler = Scheduler(engine, SpeculativeConfig("ngram", k) if k else SpeculativeConfig(),
-                                   cycles_per_call)
+                                   cycles_per_call, narrow_cycles)
         self.scheduler.cycle.prefetch = prefetch  # a CPU engine's default is off
         self.turns = 0
 
@@ -234,3 +235,73 @@ def test_only_the_jax_server_runs_several_cycles_a_call(engine):
         assert Scheduler(engine, SpeculativeConfig()).cycle.cycles_per_call == 1
         with pytest.raises(SpecdecError, match="only the JAX engine runs several cycles a call"):
             Scheduler(engine, SpeculativeConfig(), 3)
+
+
+@pytest.fixture(scope="module")
+def engine_of_4(random_checkpoints):
+    model = GemmaModel.from_checkpoint(random_checkpoints["gemma3"], max_seq_len=128)
+    return TorchEngine(model, batch=4, max_seq_len=128, k_max=4)
+
+
+def test_a_torch_cycle_runs_the_rows_in_use_and_a_request_keeps_its_tokens(engine_of_4, monkeypatch):
+    """A lone request runs cycles of its row alone; as requests join in higher rows the cycles widen to hold them,
+    and narrow again as they leave. Every request gets the tokens it gets alone, and those it gets from cycles that
+    all run every row."""
+    widths_run = []
+    width = FusedCycle.width
+    monkeypatch.setattr(FusedCycle, "width", lambda self: (widths_run.append(width(self)), widths_run[-1])[1])
+    steps = Steps(engine_of_4, 4)
+    widths = steps.scheduler.cycle.widths
+    if engine_of_4.device.type == "cpu":
+        assert widths == (1, 2, 4)  # every width keeps a row's bits in the CPU's eager forward
+    assert Steps(engine_of_4, 4, narrow_cycles=False).scheduler.cycle.widths == (4,)
+    fit = lambda rows: min(w for w in widths if w >= rows)  # noqa: E731
+    prompts = [PROMPT, [7, 3, 7, 3, 7], [4, 4, 9, 4, 4, 9, 4]]
+    solo = [steps.run(request(p, 16)) for p in prompts]
+    assert set(widths_run) == {fit(1)}
+    assert solo == [Steps(engine_of_4, 4, narrow_cycles=False).run(request(p, 16)) for p in prompts]
+
+    widths_run.clear()
+    requests = [request(p, 16) for p in prompts]
+    for req in requests:
+        steps.scheduler.submit(req)
+        steps.turn()  # admits it into the next row (0, 1, 2), then runs a cycle
+    for leaving in (2, 1):  # rows 2, then 1, leave after a cycle each
+        requests[leaving].cancel()
+        steps.turn()
+    while steps.scheduler.running:
+        steps.turn()
+    assert requests[0].tokens == solo[0]
+    assert [r.tokens for r in requests[1:]] == [solo[1][: len(requests[1].tokens)], solo[2][:len(requests[2].tokens)]]
+    assert widths_run[:5] == [fit(1), fit(2), fit(3), fit(2), fit(1)] and set(widths_run[5:]) == {fit(1)}
+
+
+def test_a_width_whose_forward_rounds_otherwise_is_dropped(engine_of_4, monkeypatch):
+    """The engine's check compares a width's rows with the whole batch's bit for bit: a forward of fewer rows that
+    rounds one logit otherwise (as a product whose library picks another kernel would) loses its width."""
+    forward = engine_of_4._model_fn
+
+    def narrower_rounds_otherwise(tokens, positions, cache, **kwargs):
+        logits, hidden = forward(tokens, positions, cache, **kwargs)
+        if len(tokens) < engine_of_4.batch:
+            logits = logits.clone()
+            logits[0, 0, 0] = torch.nextafter(logits[0, 0, 0], torch.tensor(torch.inf))
+        return logits, hidden
+
+    assert engine_of_4.widths_keeping_bits([1, 2])[-1] == 4
+    if engine_of_4.device.type == "cpu":
+        assert engine_of_4.widths_keeping_bits([1, 2]) == (1, 2, 4)
+    monkeypatch.setattr(engine_of_4, "_model_fn", narrower_rounds_otherwise)
+    assert engine_of_4.widths_keeping_bits([1, 2]) == (4,)
+    assert Scheduler(engine_of_4, SpeculativeConfig("ngram", 4)).cycle.widths == (4,)
+
+
+def test_a_stateful_drafters_cycle_runs_every_row(engine_of_4):
+    class Stateful:
+        def observe(self, *args):
+            pass
+
+    with pytest.raises(SpecdecError, match="spans the batch"):
+        FusedCycle(engine_of_4, Stateful(), 4, widths=(1, 4))
+    with pytest.raises(SpecdecError, match="the batch among them"):
+        FusedCycle(engine_of_4, None, 0, widths=(1, 2))

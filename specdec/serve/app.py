@@ -55,6 +55,7 @@ class ServeConfig:
     compile: bool = True  # torch on CUDA: torch.compile the forward; JAX: prefill's own program (a server repays both)
     graph_prefill: bool = False  # torch, compiled on CUDA: prefill as CUDA graphs (TorchEngine's graph_prefill)
     cycles_per_call: int | None = None  # JAX: decode cycles a device call (None: the Scheduler's default)
+    narrow_cycles: bool = True  # torch: cycles over the rows in use, at the widths that keep a row's bits (Scheduler)
 
 
 class ModelServer:
@@ -78,7 +79,8 @@ class ModelServer:
         self.model_name = config.served_model_name or self.target.path.name
         self.device = device_name(self.target)
         self.created = int(time.time())
-        self.scheduler = Scheduler(self.target.engine, config.speculative, config.cycles_per_call)
+        self.scheduler = Scheduler(self.target.engine, config.speculative, config.cycles_per_call,
+                                   config.narrow_cycles)
         self.metrics = ServerMetrics(self.scheduler, ENDPOINTS)
         self.app = create_app(self)
         self._http = None
@@ -308,6 +310,7 @@ def create_app(server: ModelServer) -> FastAPI:
         s = server.scheduler
         return {"status": "ok", "running": s.running, "waiting": s.num_waiting, "max_num_seqs": len(s.rows),
                 "engine": server.config.engine, "device": server.device, "cycles_per_call": s.cycles_per_call,
+                "cycle_widths": list(s.cycle.widths),
                 "speculative_config": asdict(server.config.speculative)}
 
     @app.get("/metrics")

@@ -18,8 +18,11 @@ request, the loop hands out the cycles run or in flight, which ran over the rows
 run several cycles a call (`cycles_per_call`), which spreads a call's host cost over them: a request then joins
 and leaves between calls, and a row stopped by EOS or a stop string decodes on to its call's end, unread.
 
-Every row of every forward runs at one fixed shape (the engine's row-invariant decode width), so a
-request's tokens are those it gets alone in the same server.
+Every row of every forward runs at one fixed number of tokens (the engine's row-invariant decode width), so a
+request's tokens are those it gets alone in the same server. A torch cycle runs over the first rows alone where fewer
+are busy (FusedCycle's widths: 1, 2, 4, ... rows and the batch), at those widths whose forward the engine checked to
+give a row the whole batch's bits (TorchEngine.widths_keeping_bits); a lone request then does not pay for the idle
+rows.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ log = logging.getLogger("specdec.serve")
 # device time at 8 rows; two cycles a call served 5-14% more tokens/s to 1-8 clients on an H200, and a request
 # waits at most one call longer to join (docs/benchmarks.md). A torch cycle is one graph replay.
 JAX_CYCLES_PER_CALL = 2
+
+
+def narrower_widths(batch: int) -> list[int]:
+    """The widths below the batch a torch server's cycle may run over: 1, 2, 4, ... rows."""
+    return [1 << i for i in range(batch.bit_length()) if 1 << i < batch]
 
 
 @dataclass(frozen=True)
@@ -118,14 +126,17 @@ class Scheduler:
     """Runs requests on a batch-B verifier with continuous batching (module docstring). `submit` from any
     thread; `stats` (SpecStats over every row cycle) and the counters are read by the metrics."""
 
-    def __init__(self, engine: Verifier, speculative: SpeculativeConfig, cycles_per_call: int | None = None):
-        """`cycles_per_call` None: JAX_CYCLES_PER_CALL on the JAX engine, 1 on torch."""
+    def __init__(self, engine: Verifier, speculative: SpeculativeConfig, cycles_per_call: int | None = None,
+                 narrow_cycles: bool = True):
+        """`cycles_per_call` None: JAX_CYCLES_PER_CALL on the JAX engine, 1 on torch. `narrow_cycles` False: every
+        torch cycle runs every row (the widths are not checked or compiled)."""
         if speculative.k > engine.k_max:
             raise SpecdecError(f"num_speculative_tokens={speculative.k} exceeds the engine's k_max {engine.k_max}")
         self._jax = framework_of(engine) == "jax"
         if cycles_per_call is None:
             cycles_per_call = JAX_CYCLES_PER_CALL if self._jax else 1
         self.cycles_per_call = cycles_per_call
+        self.narrow_cycles = narrow_cycles
         self.engine = engine
         self.speculative = speculative
         self.k = speculative.k
@@ -154,7 +165,10 @@ class Scheduler:
             return JaxFusedCycle(self.engine, draft_fn, self.k, cycles_per_call=self.cycles_per_call)
         from specdec.verifiers.torch_engine import FusedCycle
 
-        cycle = FusedCycle(self.engine, draft_fn, self.k)
+        narrower = narrower_widths(self.engine.batch) if self.narrow_cycles else []
+        widths = self.engine.widths_keeping_bits(narrower)
+        log.info("torch cycles over %s rows (each checked to keep a row's bits)", ", ".join(map(str, widths)))
+        cycle = FusedCycle(self.engine, draft_fn, self.k, widths=widths)
         for b in range(self.engine.batch):
             cycle.retire(b)
         return cycle

@@ -830,6 +830,7 @@ class JaxFusedCycle:
         self.draft_fn = draft_fn if k > 0 else None
         self._steps = engine._steps_fn(cycles_per_call, self.draft_fn)
         self.cycles_per_call = cycles_per_call
+        self.widths = (engine.batch,)  # every cycle runs every row: XLA's kernels take whole arrays, not views
         # decode_step prefills in a forward as wide as prefill's chunks, which a stateful drafter's begin
         # (from prefill's hidden states) cannot wait for; an engine with prefill_chunk prefills in its own program.
         self._prefills_in_cycle = (engine.prefill_chunk is None and not _stateful(self.draft_fn)

@@ -468,13 +468,35 @@ class TorchEngine:
         """The pad tokens `pad` appends to a chunk of T tokens, [B, 0..width-1] (none outside invariant mode)."""
         return self._pad_tokens[:, : self.width - T if self.invariant else 0]
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> VerifyOutput:
-        """The decode forward of tokens [B, T] at `positions` (default: lengths + 0..T-1)."""
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                 cache: KVCache | None = None) -> VerifyOutput:
+        """The decode forward of tokens [B, T] at `positions` (default: lengths + 0..T-1) into `cache` (default: the
+        engine's; a `cache.rows` view for a forward of the first rows alone)."""
         if positions is None:
             positions = chunk_positions(self.lengths, tokens.shape[1])
-        logits, hidden = self._model_fn(tokens, positions, self.cache, hidden_layers=self.hidden_layers,
-                                        commit_first=True)
+        logits, hidden = self._model_fn(tokens, positions, self.cache if cache is None else cache,
+                                        hidden_layers=self.hidden_layers, commit_first=True)
         return VerifyOutput(logits, hidden)
+
+    def widths_keeping_bits(self, widths: list[int]) -> tuple[int, ...]:
+        """Of `widths` (forwards over the first w rows alone), those whose decode forward gives each of its rows the
+        bits the whole batch's forward gives it, and the whole batch. Every kernel the forward runs picks its
+        blocks by the forward's shapes alone, never by the values, so one forward of random tokens at each width
+        shows whether that width rounds as the whole batch does; a product whose library picks another kernel for
+        more rows fails it. Run on an idle engine: its writes lie past each row's committed length, rolled back
+        like rejected drafts."""
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(self.vocab_size, (self.batch, self.width), generator=generator).to(self.device)
+        positions = chunk_positions(self.lengths, self.width)
+        outputs = lambda out: [t for t in (out.logits, out.hidden) if t is not None]  # noqa: E731
+        with torch.inference_mode():
+            whole = [t.clone() for t in outputs(self._forward(tokens, positions))]
+            kept = []
+            for w in sorted(set(widths) - {self.batch}):
+                part = outputs(self._forward(tokens[:w], positions[:w], self.cache.rows(0, w)))
+                if all(torch.equal(mine, theirs[:w]) for mine, theirs in zip(part, whole)):
+                    kept.append(w)
+        return (*kept, self.batch)
 
     def _capture(self, T: int) -> None:
         """Capture the T-token forward. Warm-up runs on a side stream, as CUDA graphs require. Warm-up and
@@ -531,18 +553,30 @@ class FusedCycle:
     one's results, so the device runs a cycle while the host streams the last one's tokens (nothing the host
     decides feeds the next cycle: budgets are on the device, and a row's tokens past its end are dropped). The
     cycle run after the last one read is wasted; `drain` waits for it. A server decides per step, and reads the
-    cycle in flight (`collect`) before it admits or loads a row: that cycle ran over the rows as they were."""
+    cycle in flight (`collect`) before it admits or loads a row: that cycle ran over the rows as they were.
+
+    `widths` (a server's, stateless drafters only): a cycle runs over the first w rows alone, w the narrowest of
+    them that holds every row admitted and not retired, as vLLM captures a graph per batch size. A lone request
+    on a wide server then pays for its own row, not for every row. Each width is a graph over views of the first
+    rows of the buffers and the cache; the engine checked that each gives a row the whole batch's bits
+    (TorchEngine.widths_keeping_bits), so a request's tokens do not depend on how many rows run beside it."""
 
     cycles_per_call = 1  # a replay runs one cycle (JaxFusedCycle's run several)
 
     def __init__(self, engine: TorchEngine, draft_fn, k: int, sampling: SamplingParams = SamplingParams(),
-                 prefetch: bool | None = None):
+                 prefetch: bool | None = None, widths: tuple[int, ...] | None = None):
         if not 0 <= k <= engine.k_max:
             raise SpecdecError(f"k={k} is outside 0..{engine.k_max} (the engine's captured maximum)")
         if k > 0 and draft_fn is None:
             raise SpecdecError(f"k={k} drafts need a draft function")
         self.verifier, self.draft_fn, self.k, self.sampling = engine, draft_fn, k, sampling
         self.drafter = draft_fn if k > 0 and hasattr(draft_fn, "observe") else None
+        self.widths = tuple(sorted(widths or (engine.batch,)))
+        if self.widths[-1] != engine.batch or self.widths[0] < 1:
+            raise SpecdecError(f"cycle widths {self.widths}: each within 1..{engine.batch}, the batch among them")
+        if self.drafter is not None and len(self.widths) > 1:
+            raise SpecdecError("a stateful drafter's state spans the batch: its cycle runs every row")
+        self._live = [False] * engine.batch  # rows admitted and not retired: a cycle's width holds them
         # With the engine's forward compiled, so are the cycle's other pieces (a stateful drafter compiles
         # its own step): its inputs, greedy acceptance and the bookkeeping after it, in CUDA graphs some twenty
         # small eager kernels otherwise. Greedy acceptance is an argmax either way (lowest id on ties), and the
@@ -561,7 +595,7 @@ class FusedCycle:
         self.row_sampling = RowSampling.of(self.rows, engine.device)  # the same on the device
         # Each row's keyed draws at every position [B, max_seq_len, k + 1], made when a sampled row is set.
         self.draws = torch.zeros(engine.batch, engine.max_seq_len, k + 1, device=engine.device)
-        self._graphs: dict = {}  # per rule (None: greedy; else the filters): (graph, packed results)
+        self._graphs: dict = {}  # per (rule (None: greedy; else the filters), width): (graph, packed results)
         self._pool = None  # the graphs' shared memory: one replays at a time, its results copied out at once
         self.prefetch = engine.use_graphs if prefetch is None else prefetch
         self._in_flight: tuple | None = None  # (event, results) of a launched cycle that step has not read
@@ -588,6 +622,7 @@ class FusedCycle:
             self._set_sampling(b, self.sampling, seed)
         if self.drafter is not None:
             self.drafter.begin(prompts, self.verifier.prefill_hidden)
+        self._live = [True] * len(prompts)
 
     def admit(self, row: int, prompt: list[int], max_new_tokens: int,
               sampling: SamplingParams = SamplingParams()) -> None:
@@ -601,6 +636,7 @@ class FusedCycle:
         self.load_row(row, prompt)
         self.limit[row] = len(prompt) + max_new_tokens  # it advances while its context is shorter
         self._set_sampling(row, sampling, sampling.seed or 0)
+        self._live[row] = True
 
     def _set_sampling(self, row: int, sampling: SamplingParams, seed: int) -> None:
         self.rows[row] = sampling
@@ -624,33 +660,46 @@ class FusedCycle:
         self.limit[row] = 0
         self.context_len[row].clamp_(min=1)  # the pending token is read at context_len - 1
         self.rows[row] = SamplingParams()  # a retired row's draws are never read: it needs no sampled rule
+        self._live[row] = False
 
-    def _draft(self):
+    def width(self) -> int:
+        """The rows the next cycle runs: the narrowest width that holds every live row."""
+        needed = max((b + 1 for b, live in enumerate(self._live) if live), default=1)
+        return next(w for w in self.widths if w >= needed)
+
+    def _draft(self, buffer, context_len):
         """-> (draft [B, k], draft_len [B], draft probabilities [B, k, V] or None for a point mass)."""
         if self.k == 0:
-            return self.buffer[:, :0], self._no_drafts, None
+            return buffer[:, :0], self._no_drafts[: len(buffer)], None
         if self.drafter is not None:
             return self.drafter.draft()
-        return *self.draft_fn(self.buffer, self.context_len), None
+        return *self.draft_fn(buffer, context_len), None
 
     def _rule(self) -> frozenset[str] | None:
         """The acceptance the rows need: None (all greedy), else the filters any sampled row uses."""
         sampled = [r for r in self.rows if not r.greedy]
         return frozenset().union(*(r.filters for r in sampled)) if sampled else None
 
-    def _cycle(self, rule: frozenset[str] | None):
+    def _cycle(self, rule: frozenset[str] | None, width: int):
+        """One cycle over the first `width` rows (views of the buffers and the cache; all of them at the batch)."""
         engine = self.verifier
-        draft, draft_len, draft_probs = self._draft()
-        tokens, positions = self._inputs(self.buffer, self.context_len, engine.lengths, draft, self._pad_tokens)
-        out = engine._forward(tokens, positions)
+        whole = width == engine.batch
+        buffer, context_len, limit, lengths, pad_tokens, draws = (
+            t[:width] for t in (self.buffer, self.context_len, self.limit, engine.lengths, self._pad_tokens, self.draws))
+        draft, draft_len, draft_probs = self._draft(buffer, context_len)
+        tokens, positions = self._inputs(buffer, context_len, lengths, draft, pad_tokens)
+        out = engine._forward(tokens, positions, None if whole else engine.cache.rows(0, width))
         logits = out.logits[:, : self.k + 1]
-        rows = (self.buffer, self.context_len, self.limit, engine.lengths, draft, draft_len)
+        rows = (buffer, context_len, limit, lengths, draft, draft_len)
         if rule is None:
             emitted, advance, start, packed = self._accept_and_emit(*rows, logits)
         else:  # each row's draws at its pending token's position, which engine.lengths holds
             params = dataclasses.replace(self.row_sampling, filters=rule)
-            batch = torch.arange(engine.batch, device=draft.device)
-            uniform = self.draws[batch, engine.lengths.clamp(max=engine.max_seq_len - 1)]
+            if not whole:
+                params = dataclasses.replace(params, **{name: getattr(params, name)[:width] for name in
+                                                        ("temperature", "top_k", "top_p_rest", "min_p")})
+            batch = torch.arange(width, device=draft.device)
+            uniform = draws[batch, lengths.clamp(max=engine.max_seq_len - 1)]
             accepted = accept_sampled(draft, draft_len, draft_probs, logits, params, uniform)
             emitted, advance, start, packed = self._emit(*rows, *accepted)
         if self.drafter is not None:
@@ -662,7 +711,7 @@ class FusedCycle:
             raise SpecdecError(f"a row is {what} while a cycle is in flight, which ran over the rows as they were: "
                                "collect it first")
 
-    def _capture(self, rule: frozenset[str] | None) -> None:
+    def _capture(self, rule: frozenset[str] | None, width: int) -> None:
         """Warm up and capture on a side stream, putting back the state each cycle advanced. Every one of
         them must start from the committed state: their cache writes then lie within one forward width past
         the committed length, rolled back like rejected drafts. Cycles chained from one another would write
@@ -683,27 +732,35 @@ class FusedCycle:
 
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         with torch.inference_mode():
-            graph, outputs = capture_graph(lambda: self._cycle(rule), warmups=2, after_each=restore, pool=self._pool,
-                                           generators=generators)
+            graph, outputs = capture_graph(lambda: self._cycle(rule, width), warmups=2, after_each=restore,
+                                           pool=self._pool, generators=generators)
         restore()
-        self._graphs[rule] = (graph, outputs)
+        self._graphs[rule, width] = (graph, outputs)
+
+    def capture_widths(self, rule: frozenset[str] | None) -> None:
+        """Capture the cycle of `rule` at every width, so that a server's warm-up requests, each at the narrowest,
+        leave no request to wait for a capture."""
+        for width in self.widths:
+            if (rule, width) not in self._graphs:
+                self._capture(rule, width)
 
     def _launch(self) -> tuple:
         """Queue one cycle and the copy of its results to the host -> (event to wait for or None, results)."""
-        rule = self._rule()
+        rule, width = self._rule(), self.width()
         if self.verifier.use_graphs:
-            if rule not in self._graphs:
-                self._capture(rule)
-            graph, packed = self._graphs[rule]
+            if (rule, width) not in self._graphs:  # a rule's first cycle captures it at every width
+                self.capture_widths(rule)
+            graph, packed = self._graphs[rule, width]
             graph.replay()
         else:
             with torch.inference_mode():
-                packed = self._cycle(rule)
+                packed = self._cycle(rule, width)
         if packed.device.type != "cuda":
             return None, packed.clone()
-        if not self._host_results:
-            self._host_results = [torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True) for _ in range(2)]
-        host = self._host_results[self._launches % 2]
+        if not self._host_results:  # the whole batch's rows; a narrower cycle fills the first
+            shape = (self.verifier.batch, packed.shape[1])
+            self._host_results = [torch.empty(shape, dtype=packed.dtype, pin_memory=True) for _ in range(2)]
+        host = self._host_results[self._launches % 2][:width]
         self._launches += 1
         host.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
