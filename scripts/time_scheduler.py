@@ -58,17 +58,21 @@ def time_requests(scheduler: Scheduler, prompts: list[list[int]], max_tokens: in
 
 
 def plot_timings(record: dict, path: Path) -> None:
-    """ms a cycle against cycles a call, a line per engine and rows, the part in `step` dashed."""
+    """ms a cycle against cycles a call, a line per engine, rows and cycle widths, the part in `step` dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    series = lambda r: (r["engine"], r["rows"], tuple(r.get("cycle_widths", [r["rows"]])))  # noqa: E731
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for (engine, batch), color in zip(sorted({(r["engine"], r["rows"]) for r in record["rows"]}), plt.cm.tab10.colors):
-        runs = [r for r in record["rows"] if (r["engine"], r["rows"]) == (engine, batch)]
+    for key, color in zip(sorted({series(r) for r in record["rows"]}), plt.cm.tab10.colors):
+        engine, batch, widths = key
+        runs = [r for r in record["rows"] if series(r) == key]
         calls = [r["cycles_per_call"] for r in runs]
-        ax.plot(calls, [r["ms_per_cycle"] for r in runs], "o-", color=color, label=f"{engine}, {batch} row{'s' * (batch > 1)}")
+        label = f"{engine}, {batch} row{'s' * (batch > 1)}" + (f", cycles over {'/'.join(map(str, widths))}"
+                                                               if len(widths) > 1 else "")
+        ax.plot(calls, [r["ms_per_cycle"] for r in runs], "o-", color=color, label=label)
         ax.plot(calls, [r["step_ms_per_cycle"] for r in runs], "x--", color=color, alpha=0.6)
     ax.set_xticks(sorted({r["cycles_per_call"] for r in record["rows"]}))
     ax.set_xlabel("cycles a call")
@@ -92,6 +96,7 @@ def main() -> int:
     parser.add_argument("--engines", default="jax,torch")
     parser.add_argument("--rows", type=ints, default=[1, 8], help="the scheduler's rows (a server's --max-num-seqs)")
     parser.add_argument("--cycles-per-call", type=ints, default=[1, 2, 4], help="the JAX scheduler's")
+    parser.add_argument("--narrow-cycles", default="on", help="the torch scheduler's: on, off or on,off (each timed)")
     parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--requests", type=int, default=12)
@@ -105,23 +110,27 @@ def main() -> int:
     rows, device = [], None
     for engine_name in args.engines.split(","):
         for batch in args.rows:
-            target = specdec.load(args.target, engine=engine_name, k_max=max(spec.k, 1), batch=batch)
+            target = specdec.load(args.target, engine=engine_name, k_max=max(spec.k, 1), batch=batch,
+                                  compile=True)  # as a server loads it
             device = device_name(target)
             if engine_name == "torch":
                 target.engine.warm_up_prefill()
             prompts = [target.tokenizer.encode(texts[i % len(texts)]) for i in range(args.requests)]
-            for cycles_per_call in args.cycles_per_call if engine_name == "jax" else [1]:
-                scheduler = Scheduler(target.engine, spec, cycles_per_call)
+            runs = [(c, True) for c in args.cycles_per_call] if engine_name == "jax" else [
+                (1, narrow == "on") for narrow in args.narrow_cycles.split(",")]
+            for cycles_per_call, narrow in runs:
+                scheduler = Scheduler(target.engine, spec, cycles_per_call, narrow_cycles=narrow)
                 scheduler.start()
                 try:
                     row = {"engine": engine_name, "rows": batch, "cycles_per_call": cycles_per_call,
+                           "cycle_widths": list(scheduler.cycle.widths),
                            **time_requests(scheduler, prompts, args.max_tokens)}
                 finally:
                     scheduler.stop()
                 rows.append(row)
-                print(f"{engine_name:<6} rows {batch:>2} · {cycles_per_call} a call: {row['tok_s']:,.0f} tok/s, "
-                      f"{row['ms_per_cycle']:.3f} ms a cycle ({row['step_ms_per_cycle']:.3f} in step), "
-                      f"tau {row['tau']:.2f}", flush=True)
+                print(f"{engine_name:<6} rows {batch:>2} · {cycles_per_call} a call · widths {row['cycle_widths']}: "
+                      f"{row['tok_s']:,.0f} tok/s, {row['ms_per_cycle']:.3f} ms a cycle "
+                      f"({row['step_ms_per_cycle']:.3f} in step), tau {row['tau']:.2f}", flush=True)
     record = {"device": device, "date": now_utc(), "commit": git_commit(), "model": (args.target or Path("270m")).name,
               "speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens, "rows": rows}
     args.out.write_text(json.dumps(record, indent=1))

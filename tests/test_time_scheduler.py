@@ -12,15 +12,16 @@ def test_each_engine_rows_and_cycle_count_is_timed_over_whole_requests(random_ch
     ckpt = with_real_tokenizer(random_checkpoints["gemma3"], tmp_path / "tiny")
     out, png = tmp_path / "t.json", tmp_path / "t.png"
     monkeypatch.setattr("sys.argv", ["time_scheduler", "--target", str(ckpt), "--engines", "jax,torch",
-                                     "--rows", "2", "--cycles-per-call", "1,3", "--requests", "2",
+                                     "--rows", "2", "--cycles-per-call", "1,3", "--narrow-cycles", "on,off",
+                                     "--requests", "2",
                                      "--max-tokens", "6", "--out", str(out), "--plot", str(png)])
     assert script.main() == 0
     record = json.loads(out.read_text())
     assert png.stat().st_size > 0
     assert record["device"] == "cpu" and record["commit"] and record["model"] == "tiny"
-    # torch runs one cycle a call alone
-    assert [(r["engine"], r["rows"], r["cycles_per_call"]) for r in record["rows"]] == [
-        ("jax", 2, 1), ("jax", 2, 3), ("torch", 2, 1)]
+    # torch runs one cycle a call alone, over the rows in use (1 of 2: its CPU forward keeps a row's bits) or all
+    assert [(r["engine"], r["rows"], r["cycles_per_call"], r["cycle_widths"]) for r in record["rows"]] == [
+        ("jax", 2, 1, [2]), ("jax", 2, 3, [2]), ("torch", 2, 1, [1, 2]), ("torch", 2, 1, [2])]
     for row in record["rows"]:
         assert row["tokens"] == 2 * 6 and row["tok_s"] > 0
         # a cycle emits 1..k+1 tokens of its request; the timed warm-up request is not counted
