@@ -36,6 +36,12 @@ class RowSampling:
         return cls(as_t("temperature", torch.float32), as_t("top_k", torch.long), as_t("top_p_rest", torch.float32),
                    as_t("min_p", torch.float32), frozenset().union(*(r.filters for r in rows)))
 
+    SETTINGS = ("temperature", "top_k", "top_p_rest", "min_p")  # the per-row tensors
+
+    def first(self, rows: int, filters: frozenset[str]) -> "RowSampling":
+        """The first `rows` rows' settings (views), applying `filters`."""
+        return RowSampling(*(getattr(self, name)[:rows] for name in self.SETTINGS), filters)
+
 
 ARGMAX_BLOCK = 1024  # logits per block of greedy_token's first pass
 

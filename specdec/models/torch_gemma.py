@@ -94,8 +94,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     (docs/benchmarks.md, issue 11): on Hopper, for bf16 weights up to skinny_gemm.MAX_WEIGHT_BYTES and FP8 weights
     of any size, by skinny_gemm's kernel, which loads the weight while the kernel before it finishes (for bf16, a
     server's decode forwards of up to skinny_gemm.WIDE_MAX_ROWS rows too); else as a batched GEMM over
-    `reduction_splits` slices. Eagerly, those adds would be kernels of their own, so it stays one
-    GEMM."""
+    `reduction_splits` slices. Eagerly, those adds would be kernels of their own, so it stays one GEMM."""
     if x.is_cuda and torch.compiler.is_compiling():
         rows, (columns, reduction) = x.numel() // x.shape[-1], weight.shape
         if skinny_gemm.takes(weight, rows):

@@ -22,7 +22,6 @@ the forwards run eagerly. Graphed and eager run the same kernels on the same buf
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import os
@@ -640,7 +639,7 @@ class FusedCycle:
 
     def _set_sampling(self, row: int, sampling: SamplingParams, seed: int) -> None:
         self.rows[row] = sampling
-        for name in ("temperature", "top_k", "top_p_rest", "min_p"):
+        for name in RowSampling.SETTINGS:
             getattr(self.row_sampling, name)[row] = getattr(sampling, name)
         if not sampling.greedy:
             positions = torch.arange(self.verifier.max_seq_len, device=self.draws.device)
@@ -694,13 +693,10 @@ class FusedCycle:
         if rule is None:
             emitted, advance, start, packed = self._accept_and_emit(*rows, logits)
         else:  # each row's draws at its pending token's position, which engine.lengths holds
-            params = dataclasses.replace(self.row_sampling, filters=rule)
-            if not whole:
-                params = dataclasses.replace(params, **{name: getattr(params, name)[:width] for name in
-                                                        ("temperature", "top_k", "top_p_rest", "min_p")})
             batch = torch.arange(width, device=draft.device)
             uniform = draws[batch, lengths.clamp(max=engine.max_seq_len - 1)]
-            accepted = accept_sampled(draft, draft_len, draft_probs, logits, params, uniform)
+            accepted = accept_sampled(draft, draft_len, draft_probs, logits, self.row_sampling.first(width, rule),
+                                      uniform)
             emitted, advance, start, packed = self._emit(*rows, *accepted)
         if self.drafter is not None:
             self.drafter.observe(out.hidden, emitted, advance, start)
