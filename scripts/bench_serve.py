@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, help="rows of the in-process server [default: the largest concurrency]")
     parser.add_argument("--speculative-config", help="the in-process server's, as `specdec serve` takes it")
     parser.add_argument("--cycles-per-call", type=int, help="the in-process JAX server's [default: the server's]")
+    parser.add_argument("--no-narrow-cycles", action="store_true",
+                        help="the in-process torch server runs every row in every cycle (`specdec serve`'s flag)")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
     parser.add_argument("--requests-per-client", type=int, default=4)
@@ -52,7 +54,8 @@ def main() -> None:
 
         server = ModelServer(ServeConfig(
             target=args.target, engine=args.engine, port=0, max_num_seqs=args.max_num_seqs or max(concurrencies),
-            speculative=SpeculativeConfig.from_json(args.speculative_config), cycles_per_call=args.cycles_per_call))
+            speculative=SpeculativeConfig.from_json(args.speculative_config), cycles_per_call=args.cycles_per_call,
+            narrow_cycles=not args.no_narrow_cycles))
         url = server.start()
         print(f"server at {url}", flush=True)
     try:

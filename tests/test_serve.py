@@ -209,6 +209,7 @@ def test_the_load_generator_reports_each_concurrency(served):
     assert all(level["tokens"] == 4 * level["requests"] and level["tokens_per_s"] > 0 and level["tau"] >= 1
                for level in record["levels"])
     assert record["device"] == "cpu" and record["model"] == "tiny-chat" and record["date"]
+    assert record["cycle_widths"] == httpx.get(served[1] + "/health").json()["cycle_widths"]
 
 
 @pytest.mark.parametrize("cycles_per_call", [1, None])  # None: the JAX server's default

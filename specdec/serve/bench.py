@@ -50,7 +50,8 @@ def run_load(settings: LoadSettings, log=print) -> dict:
         log(f"concurrency {concurrency}: {level['requests_per_s']:.2f} req/s, {level['tokens_per_s']:,.0f} tok/s")
         levels.append(level)
     return {"device": health.get("device"), "engine": health.get("engine"), "max_num_seqs": health["max_num_seqs"],
-            "cycles_per_call": health.get("cycles_per_call"), "speculative_config": health.get("speculative_config"),
+            "cycles_per_call": health.get("cycles_per_call"), "cycle_widths": health.get("cycle_widths"),
+            "speculative_config": health.get("speculative_config"),
             "date": now_utc(), "commit": git_commit(), "model": model,
             "settings": {**asdict(settings), "prompts": len(settings.prompts)}, "levels": levels}
 
@@ -124,12 +125,15 @@ def print_table(record: dict, console) -> None:
 
 
 def describe(record: dict) -> str:
-    """A record's server in a few words: engine, commit, drafting, and cycles a call where more than one."""
+    """A record's server in a few words: engine, commit, drafting, cycles a call where more than one, and the widths
+    a torch cycle runs over where it runs over fewer rows than all."""
     spec = record.get("speculative_config") or {}
     k = spec.get("num_speculative_tokens") if spec.get("method") == "ngram" else 0
     cycles = record.get("cycles_per_call") or 1
+    widths = record.get("cycle_widths") or []
     return (f"{record['engine']} {record['commit']}, " + (f"n-gram k={k}" if k else "plain decoding")
-            + (f", {cycles} cycles a call" if cycles > 1 else ""))
+            + (f", {cycles} cycles a call" if cycles > 1 else "")
+            + (f", cycles over {'/'.join(map(str, widths))} rows" if len(widths) > 1 else ""))
 
 
 def plot_load(records: list[dict], path) -> None:
