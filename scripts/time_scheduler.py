@@ -105,6 +105,8 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, help="a PNG of ms a cycle against cycles a call")
     args = parser.parse_args()
 
+    if not set(args.narrow_cycles.split(",")) <= {"on", "off"}:
+        parser.error(f"--narrow-cycles takes on, off or on,off, not {args.narrow_cycles!r}")
     spec = SpeculativeConfig.from_json(args.speculative_config)
     texts = read_prompts(args.prompts)
     rows, device = [], None
