@@ -484,6 +484,9 @@ class TorchEngine:
         shows whether that width rounds as the whole batch does; a product whose library picks another kernel for
         more rows fails it. Run on an idle engine: its writes lie past each row's committed length, rolled back
         like rejected drafts."""
+        narrower = sorted(set(widths) - {self.batch})
+        if not narrower:
+            return (self.batch,)
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(self.vocab_size, (self.batch, self.width), generator=generator).to(self.device)
         positions = chunk_positions(self.lengths, self.width)
@@ -491,7 +494,7 @@ class TorchEngine:
         with torch.inference_mode():
             whole = [t.clone() for t in outputs(self._forward(tokens, positions))]
             kept = []
-            for w in sorted(set(widths) - {self.batch}):
+            for w in narrower:
                 part = outputs(self._forward(tokens[:w], positions[:w], self.cache.rows(0, w)))
                 if all(torch.equal(mine, theirs[:w]) for mine, theirs in zip(part, whole)):
                     kept.append(w)
