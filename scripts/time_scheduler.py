@@ -21,7 +21,7 @@ from pathlib import Path
 from specdec.evidence import git_commit, now_utc
 from specdec.generate import StopCondition
 from specdec.sampling import SamplingParams
-from specdec.serve.scheduler import Scheduler, SpeculativeConfig
+from specdec.serve.scheduler import Scheduler, SpeculativeConfig, widths_label
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serve import DEFAULT_PROMPTS  # noqa: E402
@@ -70,8 +70,7 @@ def plot_timings(record: dict, path: Path) -> None:
         engine, batch, widths = key
         runs = [r for r in record["rows"] if series(r) == key]
         calls = [r["cycles_per_call"] for r in runs]
-        label = f"{engine}, {batch} row{'s' * (batch > 1)}" + (f", cycles over {'/'.join(map(str, widths))}"
-                                                               if len(widths) > 1 else "")
+        label = f"{engine}, {batch} row{'s' * (batch > 1)}" + widths_label(widths)
         ax.plot(calls, [r["ms_per_cycle"] for r in runs], "o-", color=color, label=label)
         ax.plot(calls, [r["step_ms_per_cycle"] for r in runs], "x--", color=color, alpha=0.6)
     ax.set_xticks(sorted({r["cycles_per_call"] for r in record["rows"]}))

@@ -396,7 +396,7 @@ def serve(
         from specdec.serve.app import ModelServer, ServeConfig
     except ImportError as e:
         raise SpecdecError(f"specdec serve needs the serve extra (pip install 'specdec[serve]'): {e}") from None
-    from specdec.serve.scheduler import SpeculativeConfig
+    from specdec.serve.scheduler import SpeculativeConfig, widths_label
 
     config = ServeConfig(target=target, engine=engine, host=host, port=port, max_num_seqs=max_num_seqs,
                          max_model_len=max_model_len, speculative=SpeculativeConfig.from_json(speculative_config),
@@ -404,10 +404,10 @@ def serve(
                          graph_prefill=graph_prefill, cycles_per_call=cycles_per_call, narrow_cycles=narrow_cycles)
     server = ModelServer(config)
     url = server.start()
-    cycles, widths = server.scheduler.cycles_per_call, server.scheduler.cycle.widths
+    cycles = server.scheduler.cycles_per_call
     print(f"serving {server.model_name} at {url}/v1 ({engine}, {max_num_seqs} rows, k={config.speculative.k}"
           + (f", {cycles} cycles a call" if cycles > 1 else "")
-          + (f", cycles over {'/'.join(map(str, widths))} rows" if len(widths) > 1 else "") + ")", flush=True)
+          + widths_label(server.scheduler.cycle.widths) + ")", flush=True)
     server.wait()
 
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from specdec.evidence import git_commit, now_utc
+from specdec.serve.scheduler import widths_label
 
 
 @dataclass
@@ -130,10 +131,8 @@ def describe(record: dict) -> str:
     spec = record.get("speculative_config") or {}
     k = spec.get("num_speculative_tokens") if spec.get("method") == "ngram" else 0
     cycles = record.get("cycles_per_call") or 1
-    widths = record.get("cycle_widths") or []
     return (f"{record['engine']} {record['commit']}, " + (f"n-gram k={k}" if k else "plain decoding")
-            + (f", {cycles} cycles a call" if cycles > 1 else "")
-            + (f", cycles over {'/'.join(map(str, widths))} rows" if len(widths) > 1 else ""))
+            + (f", {cycles} cycles a call" if cycles > 1 else "") + widths_label(record.get("cycle_widths") or []))
 
 
 def plot_load(records: list[dict], path) -> None:

@@ -53,6 +53,12 @@ def narrower_widths(batch: int) -> list[int]:
     return [1 << i for i in range(batch.bit_length()) if 1 << i < batch]
 
 
+def widths_label(widths) -> str:
+    """What a server's description (its start line, a load record's, a plot's) adds for its cycle widths: ""
+    where every cycle runs every row."""
+    return f", cycles over {'/'.join(map(str, widths))} rows" if len(widths) > 1 else ""
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How requests are drafted, as vLLM's `--speculative-config` says it: method "ngram" with
