@@ -170,7 +170,8 @@ def plan(rows: int, columns: int, splits: int, part: int, processors: int, items
     """Block sizes for `rows` rows, a weight of `columns`, `splits` slices of the reduction of `part` each, on a GPU
     of `processors` SMs: up to ROW_BLOCK rows a program (the rows alone never change the other blocks), the whole
     slice in one step where it fits, and the widest column block that still gives every SM a program (the weight then
-    streams through all of them). Blocks of at least 16, as tensor-core products need. Swept by scripts/tune_skinny_gemm.py on an H100: within 0.7 us of the best
+    streams through all of them). Blocks of at least 16, as tensor-core products need. Swept by
+    scripts/tune_skinny_gemm.py on an H100: within 0.7 us of the best
     configuration for the products it takes, and 0.8-2.0 us faster than the batched GEMM (docs/benchmarks.md).
     FP8 weights (`itemsize` 1) take FP8_BLOCK_N and FP8_BLOCK_K, pipelined where the slice takes several steps."""
     block_m = min(max(16, 1 << (rows - 1).bit_length()), ROW_BLOCK)
