@@ -32,7 +32,8 @@ MAX_TILE = 128 * 128  # weight elements a program holds
 ROW_BLOCK = 64
 # A static forward of up to this many rows (a server's 8 rows of 8 tokens) takes the kernel for bf16 weights too:
 # a row then keeps its bits whatever the number of rows, so a server may run its cycles over the rows in use
-# (torch_engine.FusedCycle's widths).
+# (torch_engine.FusedCycle's widths). Not 128 (a 16-row server): reading each weight once per block of 64 rows made
+# that server's full cycle 6.4% longer than cuBLAS's (H200, docs/benchmarks.md), so it keeps cycles over every row.
 WIDE_MAX_ROWS = 64
 # FP8 weights, of any size (fp8_splits, plan): 32 columns a program, stepping through its slice 128 deep in a loop
 # pipelined 4 deep. Swept by scripts/tune_fp8_products.py on an H200 over 20 products of the 270M, E4B and the 31B:
