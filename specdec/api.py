@@ -378,9 +378,7 @@ class DrafterSource:
 
 def _framework_key(verifier):
     """Verifiers whose drafter weights can be shared: same framework, dtype and device."""
-    from specdec.drafters.stateful import framework_of
-
-    if framework_of(verifier) == "jax":
+    if verifier.framework == "jax":
         return "jax", str(verifier.params["embed_tokens.weight"].dtype)
     return "torch", verifier.model.dtype, str(verifier.device)
 

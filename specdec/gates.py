@@ -474,7 +474,7 @@ def gate_sampled_speculation(cycle, prompt: list[int], k: int, params: SamplingP
     gen = run_cycles(cycle, [prompt] * draws, k, StopCondition(2))
     first = np.array([t[0] for t in gen.tokens])
     second = np.array([t[1] for t in gen.tokens])
-    framework = "jax" if type(target).__module__.endswith("jax_engine") else "torch"
+    framework = target.framework
     _, warp = framework_rules(framework)
     pending = target.prefill([prompt] * draws)
     if framework == "jax":

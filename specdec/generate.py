@@ -132,7 +132,7 @@ class _Ops:
 
     def __init__(self, verifier: Verifier, sampling: SamplingParams):
         self.sampling = sampling
-        self.jax = type(verifier).__module__.endswith("jax_engine")
+        self.jax = verifier.framework == "jax"
         if self.jax:
             import jax
             import jax.numpy as jnp
@@ -337,7 +337,7 @@ def run_cycles(cycle, prompts: list[list[int]], k: int, stop: StopCondition,
 
 def synchronize(verifier: Verifier) -> None:
     """Wait for the verifier's queued device work (for timing)."""
-    if type(verifier).__module__.endswith("jax_engine"):
+    if verifier.framework == "jax":
         import jax
 
         jax.block_until_ready(verifier.lengths)

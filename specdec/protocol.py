@@ -38,6 +38,7 @@ class VerifyOutput:
 class Verifier(Protocol):
     """The target model, owning a static KV cache. Positions are absolute; rows advance independently."""
 
+    framework: str  # "torch" or "jax": which device drafters and fused cycles it takes
     vocab_size: int
     k_max: int  # most drafts one verify takes (T = k + 1 <= k_max + 1)
     width: int  # rows a decode forward runs and writes (>= k_max + 1; pads after the real tokens)

@@ -32,7 +32,7 @@ def engine(request, random_checkpoints):
 
 
 def is_jax(engine) -> bool:
-    return type(engine).__module__.endswith("jax_engine")
+    return engine.framework == "jax"
 
 
 def request(prompt, max_new_tokens, sampling=SamplingParams()):

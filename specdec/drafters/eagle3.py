@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec.drafters.stateful import StatefulDrafter, framework_of
+from specdec.drafters.stateful import StatefulDrafter
 from specdec.errors import SpecdecError
 
 DEFAULT_DRAFT_VOCAB = 32000
@@ -312,7 +312,7 @@ class Eagle3Drafter(StatefulDrafter):
         self.head = head
         if tuple(verifier.hidden_layers) != head.cfg.taps:
             raise SpecdecError(f"the verifier returns hidden layers {verifier.hidden_layers}, the head reads {head.cfg.taps}")
-        if framework_of(verifier) == "jax":
+        if verifier.framework == "jax":
             from specdec.drafters.eagle3_jax import JaxEagle3
 
             device = JaxEagle3(head, verifier.batch, verifier.max_seq_len, k, sampling,

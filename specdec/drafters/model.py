@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.drafters.stateful import JaxHostDriven, StatefulDrafter, framework_of
+from specdec.drafters.stateful import JaxHostDriven, StatefulDrafter
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 
@@ -31,7 +31,7 @@ CATCH_UP = 2  # tokens a cycle feeds the drafter before drafting: pending, and t
 def load_source(path: Path, verifier):
     """The drafter checkpoint's weights in the verifier's framework, dtype and device: a torch GemmaModel, or
     (cfg, params) for JAX."""
-    if framework_of(verifier) == "jax":
+    if verifier.framework == "jax":
         from specdec.models.jax_gemma import load_params
 
         # packed as drafter_engine's one-device engine holds them, rather than copied packed there
@@ -52,7 +52,7 @@ def drafter_engine(source, verifier):
         return source
     settings = dict(batch=verifier.batch, max_seq_len=verifier.max_seq_len, k_max=verifier.k_max,
                     invariant=verifier.invariant, lookahead=verifier.k_max)
-    if framework_of(verifier) == "jax":
+    if verifier.framework == "jax":
         from specdec.verifiers.jax_engine import JaxEngine
 
         cfg, params = (source.cfg, source.params) if from_engine else source
@@ -71,7 +71,7 @@ class ModelDrafter(StatefulDrafter):
 
     def __init__(self, source, verifier, k: int, sampling: SamplingParams = SamplingParams()):
         engine = drafter_engine(source, verifier)
-        if framework_of(verifier) == "jax":
+        if verifier.framework == "jax":
             device = JaxModelDraft(engine, k, sampling)
         else:
             device = TorchModelDraft(engine, k, sampling)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec.drafters.stateful import StatefulDrafter, framework_of
+from specdec.drafters.stateful import StatefulDrafter
 from specdec.errors import SpecdecError
 from specdec.models.config import GemmaConfig
 
@@ -231,7 +231,7 @@ class MtpDrafter(StatefulDrafter):
     needs_hidden = True
 
     def __init__(self, assistant: Assistant, verifier, k: int, sampling):
-        if framework_of(verifier) == "jax":
+        if verifier.framework == "jax":
             from specdec.drafters.mtp_jax import JaxMtp
 
             device = JaxMtp(assistant, verifier.cfg, verifier.batch, k, sampling,

@@ -81,10 +81,6 @@ class JaxHostDriven:
                                         jnp.asarray(start))
 
 
-def framework_of(verifier) -> str:
-    return "jax" if type(verifier).__module__.endswith("jax_engine") else "torch"
-
-
 class StatefulDrafter:
     """specdec.protocol.Drafter (and DeviceDrafter) over a device state built for one verifier and k."""
 
@@ -92,7 +88,7 @@ class StatefulDrafter:
 
     def __init__(self, device, verifier, k: int, vocab_size: int, name: str):
         self.device, self.verifier, self.k, self.vocab_size, self.name = device, verifier, k, vocab_size, name
-        self.framework = framework_of(verifier)
+        self.framework = verifier.framework
         if vocab_size != verifier.vocab_size:
             raise SpecdecError(f"{name}: drafter vocabulary of {vocab_size} tokens, target's {verifier.vocab_size}")
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from specdec.drafters.ngram import NgramDrafter
-from specdec.drafters.stateful import framework_of
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, SpecStats, StopCondition
 from specdec.protocol import Verifier
@@ -138,7 +137,7 @@ class Scheduler:
         torch cycle runs every row (the widths are not checked or compiled)."""
         if speculative.k > engine.k_max:
             raise SpecdecError(f"num_speculative_tokens={speculative.k} exceeds the engine's k_max {engine.k_max}")
-        self._jax = framework_of(engine) == "jax"
+        self._jax = engine.framework == "jax"
         if cycles_per_call is None:
             cycles_per_call = JAX_CYCLES_PER_CALL if self._jax else 1
         self.cycles_per_call = cycles_per_call

@@ -256,6 +256,8 @@ class JaxEngine:
     """Implements specdec.protocol.Verifier over jax_gemma. Row b's committed length is `lengths[b]`; its
     pending token (not yet in the cache) goes first in the next verify."""
 
+    framework = "jax"
+
     def __init__(
         self,
         cfg: GemmaConfig,

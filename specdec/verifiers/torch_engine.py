@@ -231,6 +231,8 @@ class TorchEngine:
     """Implements specdec.protocol.Verifier. Row b's committed length is `lengths[b]`; its pending token
     (not yet in the cache) goes first in the next verify."""
 
+    framework = "torch"
+
     def __init__(
         self,
         model: GemmaModel,
