@@ -130,6 +130,31 @@ def test_sampled_requests_get_their_solo_tokens_beside_others(engine, prefetch):
         assert [r.tokens for r in requests] == [solo(first), solo(second)]
 
 
+def test_a_greedy_request_in_a_row_a_sampled_one_left_gets_its_solo_tokens_beside_a_sampled_one(engine):
+    """A row's settings are its request's alone: a greedy request that takes the row a sampled request (temperature
+    1.5, top-k, min-p) left, while another sampled request keeps the other row (so every cycle runs the sampled
+    rule), decodes greedily, inheriting neither the temperature nor the filters."""
+    solo_greedy = Steps(engine, 4).run(request(PROMPT, NEW_TOKENS))
+    solo_sampled = Steps(engine, 4).run(request(PROMPT, 3 * NEW_TOKENS, SAMPLED[0]))
+    steps = Steps(engine, 4)
+    scheduler = steps.scheduler
+    leaving, staying = request([5, 6, 7, 8], 3, SAMPLED[2]), request(PROMPT, 3 * NEW_TOKENS, SAMPLED[0])
+    scheduler.submit(leaving)
+    scheduler.submit(staying)
+    while len(leaving.tokens) < 3:
+        steps.turn()
+    greedy = request(PROMPT, NEW_TOKENS)
+    scheduler.submit(greedy)
+    steps.turn()
+    assert scheduler.rows[0] is greedy and scheduler.rows[1] is staying
+    while len(greedy.tokens) < NEW_TOKENS:
+        steps.turn()
+    assert scheduler.rows[1] is staying  # it sampled beside every cycle of the greedy request
+    while scheduler.running:
+        steps.turn()
+    assert (greedy.tokens, staying.tokens) == (solo_greedy, solo_sampled)
+
+
 def test_a_cancelled_row_stops_advancing_and_its_row_serves_the_next_request(engine):
     solo = Steps(engine, 4).run(request(PROMPT[:6], 12))
     steps = Steps(engine, 4)
