@@ -1,5 +1,6 @@
 """Loading checkpoints: layouts, strict checks, and one-line errors that name the file or tensor."""
 
+import dataclasses
 import json
 import shutil
 
@@ -102,12 +103,29 @@ def test_gemma4_config_forms_agree(random_checkpoints):
     assert GemmaConfig.from_dict(released).layers == GemmaConfig.from_dict(raw).layers
 
 
+@pytest.mark.parametrize("k_max", [0, 6, 7, 8, 15, 16])
+def test_the_decode_width_holds_a_full_verify_in_rows_of_eight(k_max):
+    """The pending token and k_max drafts, rounded up to a multiple of 8 rows. k_max 4, most tests' setting, hides a
+    width rounded from k_max alone (4 and 5 both round to 8); 7 + 1 fills 8 rows exactly, 8 + 1 spills into 16."""
+    width = decode_width(k_max)
+    assert k_max + 1 <= width < k_max + 1 + 8 and width % 8 == 0
+
+
+# Sliding windows whose rings straddle the rounding to whole splits of 64 slots. The test models' window of 8 takes
+# one split with or without a forward's slots (8 and 8 + 15 both round to 64): a ring of `window` slots alone passed
+# there. At k_max 8, 49 + 15 fills one split exactly and 50 + 15 spills into a second; 512 is the 270M's window,
+# 1024 the 31B's.
+WINDOWS = [8, 49, 50, 512, 1024]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("k_max, lookahead", [(8, 0), (4, 0), (4, 3)])
-def test_sliding_ring_holds_a_window_and_a_forward_in_aligned_rows(random_checkpoints, k_max, lookahead):
+def test_sliding_ring_holds_a_window_and_a_forward_in_aligned_rows(random_checkpoints, window, k_max, lookahead):
     """Every slot a query's window and a decode forward need, and rows of a multiple of 64 slots: a 527-slot ring
     sent the attention products to a slow unaligned cuBLAS path, and XLA padded a 528-slot one. A ring longer than
     the context is cut to the context's slots."""
     cfg = GemmaConfig.from_dict(json.loads((random_checkpoints["gemma3"] / "config.json").read_text()))
+    cfg = dataclasses.replace(cfg, sliding_window=window)
     needed = cfg.sliding_window + decode_width(k_max) - 1 + lookahead
     ring = cfg.cache_slots(max_seq_len=4096, k_max=k_max, lookahead=lookahead)["sliding_attention"]
     assert needed <= ring < needed + BLOCK_S and ring % BLOCK_S == 0 and BLOCK_S % 8 == 0
