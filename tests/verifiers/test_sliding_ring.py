@@ -5,7 +5,10 @@ both engines.
 The random test models' window of 8 hides a ring one forward short: 8 and 8 + 15 slots both round up to one split of
 64, and sequences of under 64 tokens never wrap it. Here, at k_max 8 (16-row forwards): a window of 64 needs 64 + 15
 slots, two splits where 64 alone would take one; a window of 49 needs exactly one split, so the ring has no slot to
-spare. Each run wraps its ring: a prompt and verifies of kept and rejected drafts out to 40 positions past the ring.
+spare. Each run wraps its ring: a prompt (a short one, or one longer than the ring, whose prefill keeps its last
+positions), then verifies of kept and rejected drafts out to 40 positions past the ring.
+A model drafter's engine chains forwards past the committed length and holds k_max more slots: at a window of 49
+they take a second split (49 + 15 + 8 > 64), which a missing lookahead would leave out.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from specdec.drafters.model import ModelDrafter, drafter_engine
+from specdec.generate import StopCondition, run_cycles
 from specdec.models.config import SLIDING
 from specdec.models.random_init import build_hf_model, write_random_checkpoint
 
@@ -23,6 +28,7 @@ PAST_THE_RING = 40
 TOL = 1e-4
 CHUNKS = [K_MAX + 1, 1, 5, K_MAX + 1, 3, 2, 7]  # tokens a verify feeds, in turn
 PROMPT_LEN = 6
+LONG_PROMPT = 9  # positions past the ring
 
 
 def rel_err(ours, ref) -> float:
@@ -65,20 +71,22 @@ def verify_and_commit(engine, chunk: np.ndarray, keep: int) -> np.ndarray:
     return np.asarray(logits[0])
 
 
+@pytest.mark.parametrize("long_prompt", [False, True], ids=["short_prompt", "long_prompt"])
 @pytest.mark.parametrize("make_engine", [torch_engine, jax_engine], ids=["torch", "jax"])
-def test_verifies_past_the_rings_wrap_match_a_full_forward(windowed, make_engine):
+def test_verifies_past_the_rings_wrap_match_a_full_forward(windowed, make_engine, long_prompt):
     path, hf = windowed
     engine = make_engine(path)
     ring = engine.cfg.cache_slots(MAX_SEQ, K_MAX)[SLIDING]
     assert ring < MAX_SEQ  # a ring, not every position
+    prompt_len = ring + LONG_PROMPT if long_prompt else PROMPT_LEN
     total = ring + PAST_THE_RING
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, engine.cfg.vocab_size, total)
     with torch.no_grad():
         reference = hf(torch.as_tensor(tokens[None])).logits[0].numpy()
 
-    engine.prefill([tokens[:PROMPT_LEN].tolist()])
-    ours, expected, t, turn = [], [], PROMPT_LEN - 1, 0
+    engine.prefill([tokens[:prompt_len].tolist()])
+    ours, expected, t, turn = [], [], prompt_len - 1, 0
     while t < total:
         size = min(CHUNKS[turn % len(CHUNKS)], total - t)
         keep = int(rng.integers(1, size + 1))  # the rest are rejected drafts: their keys/values written, then dropped
@@ -88,3 +96,23 @@ def test_verifies_past_the_rings_wrap_match_a_full_forward(windowed, make_engine
         expected.append(reference[t : t + keep])
         t, turn = t + keep, turn + 1
     assert rel_err(np.concatenate(ours), np.concatenate(expected)) <= TOL
+
+
+
+@pytest.mark.parametrize("windowed", [49], indirect=True)  # at 64, 64 + 15 and 64 + 15 + 8 take two splits alike
+def test_a_model_drafting_for_itself_accepts_every_draft_past_its_rings_wrap(windowed):
+    """The target drafting for itself proposes the target's own tokens, so every draft is accepted, as long as the
+    drafter's cache holds what the target's holds: its chained forwards write up to k_max - 1 positions further past
+    the committed length, which its ring must not let overwrite a position still in the window. Torch alone: the
+    drafter's engine takes its ring from the same settings in JAX (drafter_engine), whose compiled cycle costs 20 s."""
+    from specdec.verifiers.torch_engine import FusedCycle
+
+    path, _ = windowed
+    target = torch_engine(path)
+    drafter = ModelDrafter(drafter_engine(target, target), target, K_MAX)
+    drafter_ring = target.cfg.cache_slots(MAX_SEQ, K_MAX, lookahead=K_MAX)[SLIDING]
+    cycle = FusedCycle(target, drafter.device_draft_fn("torch", K_MAX), K_MAX)
+    prompt = np.random.default_rng(1).integers(3, target.cfg.vocab_size, PROMPT_LEN).tolist()
+    gen = run_cycles(cycle, [prompt], K_MAX, StopCondition(drafter_ring + PAST_THE_RING))
+    assert len(gen.tokens[0]) == drafter_ring + PAST_THE_RING
+    assert gen.stats.acceptance_rate == 1.0
