@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.drafters.model import ModelDrafter, drafter_engine
-from specdec.generate import StopCondition, run_cycles
-from specdec.models.config import SLIDING
+from specdec.drafters.model import ModelDrafter, load_source
+from specdec.generate import HostCycle
+from specdec.models.config import SLIDING, GemmaConfig
 from specdec.models.random_init import build_hf_model, write_random_checkpoint
+from specdec.sampling import SamplingParams
 
 K_MAX = 8
 MAX_SEQ = 256
@@ -99,20 +100,35 @@ def test_verifies_past_the_rings_wrap_match_a_full_forward(windowed, make_engine
 
 
 
-@pytest.mark.parametrize("windowed", [49], indirect=True)  # at 64, 64 + 15 and 64 + 15 + 8 take two splits alike
-def test_a_model_drafting_for_itself_accepts_every_draft_past_its_rings_wrap(windowed):
-    """The target drafting for itself proposes the target's own tokens, so every draft is accepted, as long as the
-    drafter's cache holds what the target's holds: its chained forwards write up to k_max - 1 positions further past
-    the committed length, which its ring must not let overwrite a position still in the window. Torch alone: the
-    drafter's engine takes its ring from the same settings in JAX (drafter_engine), whose compiled cycle costs 20 s."""
-    from specdec.verifiers.torch_engine import FusedCycle
 
+
+@pytest.mark.parametrize("windowed", [49], indirect=True)  # at 64, 64 + 15 and 64 + 15 + 8 take two splits alike
+def test_a_model_drafters_cache_past_its_rings_wrap_is_a_fresh_prefill_of_the_context(windowed, tmp_path):
+    """A drafter of other weights, whose drafts the target rejects: each cycle's chained draft forwards write up to
+    k_max - 1 positions further past the committed length than a verify does, and the rejection rolls them back.
+    Its ring holds them (lookahead), so no position still in the window is overwritten: after cycles past the
+    ring's wrap, the drafter's first draft has the distribution a drafter started on the whole context gives it.
+    (A drafter whose drafts are all accepted never rolls back: it would not tell. The random models repeat a token
+    whatever the context, so drafts are compared by their distribution, which the first draft's sampling leaves as
+    it is.)"""
     path, _ = windowed
+    window = GemmaConfig.from_file(path / "config.json").sliding_window
+    other = write_random_checkpoint("gemma3", tmp_path / "drafter", seed=1, sliding_window=window)
     target = torch_engine(path)
-    drafter = ModelDrafter(drafter_engine(target, target), target, K_MAX)
+    source = load_source(other, target)
+    sampling = SamplingParams(temperature=1.0, seed=3)
+    drafter = ModelDrafter(source, target, K_MAX, sampling)
     drafter_ring = target.cfg.cache_slots(MAX_SEQ, K_MAX, lookahead=K_MAX)[SLIDING]
-    cycle = FusedCycle(target, drafter.device_draft_fn("torch", K_MAX), K_MAX)
-    prompt = np.random.default_rng(1).integers(3, target.cfg.vocab_size, PROMPT_LEN).tolist()
-    gen = run_cycles(cycle, [prompt], K_MAX, StopCondition(drafter_ring + PAST_THE_RING))
-    assert len(gen.tokens[0]) == drafter_ring + PAST_THE_RING
-    assert gen.stats.acceptance_rate == 1.0
+    prompt = np.random.default_rng(1).integers(3, target.cfg.vocab_size, drafter_ring + LONG_PROMPT).tolist()
+    cycle = HostCycle(target, drafter, K_MAX, sampling)
+    cycle.start([prompt])
+    emitted, cycles = [], 0
+    while len(emitted) < PAST_THE_RING // 2:
+        emitted += cycle.step().emitted(0)
+        cycles += 1
+    assert len(emitted) < cycles * (K_MAX + 1)  # drafts were rejected
+    continued = drafter.propose(K_MAX).probs[:, 0]
+    fresh = ModelDrafter(source, target, K_MAX, sampling)
+    target.prefill([prompt + emitted])
+    fresh.begin([prompt + emitted])
+    np.testing.assert_allclose(continued, fresh.propose(K_MAX).probs[:, 0], rtol=0, atol=1e-6)
