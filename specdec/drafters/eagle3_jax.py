@@ -164,7 +164,7 @@ class JaxEagle3(JaxHostDriven):
         self.slots = max_seq_len + 2 * (k + 1)
         self.params = {n: jnp.asarray(a, dtype) for n, a in head.params.items()}
         self.params["draft_ids"] = jnp.asarray(draft_to_target(head.d2t), jnp.int32)
-        self._prefill = jax.jit(self._prefill_rows, donate_argnums=2)
+        self._start = jax.jit(self._start_rows, donate_argnums=2)
 
     @property
     def cache_key(self):
@@ -175,47 +175,56 @@ class JaxEagle3(JaxHostDriven):
                 str(self.dtype))
 
     def init_state(self) -> dict:
+        """A state of no request yet (begin and begin_rows start rows in it)."""
+        from specdec.drafters.stateful import draft_key
+
         cfg, B = self.cfg, self.batch
         return dict(init_cache(cfg, B, self.slots, self.dtype),
                     feats=jnp.zeros((B, self.k + 1, cfg.hidden_size), self.dtype),
                     tokens=jnp.zeros((B, self.k + 1), jnp.int32),
-                    count=jnp.zeros(B, jnp.int32), start=jnp.zeros(B, jnp.int32), key=jax.random.PRNGKey(0))
+                    count=jnp.zeros(B, jnp.int32), start=jnp.zeros(B, jnp.int32), key=draft_key(self.sampling.seed))
 
-    def _prefill_rows(self, target_params, params, state, tokens, taps, count):
-        """The pairs (feature t, token t+1) for t < P-2 of each row into the cache (positions past a row's
-        pairs get junk that catching up overwrites before anything reads it)."""
+    def _start_rows(self, target_params, params, state, started, tokens, taps, count, last):
+        """The rows `started` [B] (bool) begun, the other rows' state as it was: each started row's pairs (feature
+        t, token t+1) for t < P-2 into the cache (positions past a row's pairs get junk that catching up
+        overwrites before anything reads it); its last pair (feature P-2, the pending token in `last`) is the
+        first to catch up on."""
         embed = target_params["embed_tokens.weight"]
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         feats = fuse(params, taps).astype(self.dtype)
         _, _, cache = step(params, self.cfg, jnp.take(embed, tokens, axis=0).astype(self.dtype), feats[:, :-1],
                            positions, {"k": state["k"], "v": state["v"]})
         rows = jnp.arange(tokens.shape[0])
-        last = jnp.maximum(count - 1, 0)
-        return dict(state, **cache, feats=state["feats"].at[:, 0].set(feats[rows, last]),
-                    start=jnp.maximum(count - 1, 0).astype(jnp.int32), count=jnp.minimum(count, 1).astype(jnp.int32))
+        pairs = jnp.maximum(count - 1, 0)
+        begun = dict(cache, feats=state["feats"].at[:, 0].set(feats[rows, pairs]), tokens=last, start=pairs,
+                     count=jnp.minimum(count, 1))
+        return dict(state, **{name: jnp.where(started.reshape(-1, *[1] * (value.ndim - 1)), value, state[name])
+                              for name, value in begun.items()})
 
     def begin(self, target_params, prompts: list[list[int]], prompt_hidden) -> dict:
-        """A fresh state started from each row's prompt and the target's hidden states of its committed
-        positions [P-1, 3, H] (see TorchEagle3.begin); also kept for the host-driven cycle."""
-        pairs = max(len(p) - 1 for p in prompts)
+        """A fresh state with every row begun (begin_rows); also kept for the host-driven cycle."""
+        self.state = self.begin_rows(target_params, self.init_state(), dict(enumerate(prompts)), prompt_hidden)
+        return self.state
+
+    def begin_rows(self, target_params, state: dict, prompts: dict[int, list[int]], prompt_hidden) -> dict:
+        """`state` with some rows (row -> prompt) started from their prompts and the target's hidden states of their
+        committed positions (prompt_hidden[row]: [P-1, 3, H]; see TorchEagle3.begin_row), the other rows left as
+        they are. `state` is consumed."""
+        pairs = max(len(p) - 1 for p in prompts.values())
         width = _bucket(pairs)
+        started = np.zeros(self.batch, bool)
         tokens = np.zeros((self.batch, width), np.int32)
         taps = np.zeros((self.batch, width + 1, 3, self.cfg.hidden_size), np.float32)
         count = np.zeros(self.batch, np.int32)
         last = np.zeros((self.batch, self.k + 1), np.int32)
-        for b, (prompt, hidden) in enumerate(zip(prompts, prompt_hidden)):
+        for row, prompt in prompts.items():
             n = len(prompt) - 1  # committed positions, each with a feature
-            tokens[b, : max(n - 1, 0)] = prompt[1:n]
-            taps[b, :n] = np.asarray(hidden, np.float32)
-            count[b] = n
-            last[b, 0] = prompt[-1]
-        # Row b's last pair (feature P-2, the pending token) is the first to catch up on.
-        state = self._prefill(target_params, self.params, self.init_state(), jnp.asarray(tokens), jnp.asarray(taps),
-                              jnp.asarray(count))
-        from specdec.drafters.stateful import draft_key
-
-        self.state = dict(state, tokens=jnp.asarray(last), key=draft_key(self.sampling.seed))
-        return self.state
+            started[row] = True
+            tokens[row, : max(n - 1, 0)] = prompt[1:n]
+            taps[row, :n] = np.asarray(prompt_hidden[row], np.float32)
+            count[row] = n
+            last[row, 0] = prompt[-1]
+        return self._start(target_params, self.params, state, *jax.device_put((started, tokens, taps, count, last)))
 
     def draft(self, target_params, params, state, target_cache=None):
         """-> (draft [B, k] target ids, draft_len [B], draft probs [B, k, V] when sampled else None, state).

@@ -117,28 +117,32 @@ class TorchEagle3:
 
     @torch.inference_mode()
     def begin(self, prompts: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
-        """Start each row from its prompt and the target's hidden states of its committed prompt positions
-        [P-1, 3, H]: the head's cache over the pairs (feature t, token t+1) for t < P-2; the last pair is the
-        first to catch up on."""
-        device = self.tokens.device
+        """Start every row (begin_row) and the sampling generator from the request's seed."""
         if self.generator is not None:
             from specdec.drafters.stateful import draft_seed
 
             self.generator.manual_seed(draft_seed(self.sampling.seed))
-        self.count.zero_()
-        self.start.zero_()
-        for b, (prompt, hidden) in enumerate(zip(prompts, prompt_hidden)):
-            if len(prompt) < 2:
-                continue  # nothing committed, no feature: this row drafts from its next verify on
-            feats = fuse(self.params, hidden.to(device))
-            n = len(prompt) - 2  # pairs before the last
-            if n:
-                tokens = torch.tensor(prompt[1 : n + 1], device=device)[None]
-                # eager: a prompt's length would be one more compilation (once per request, outside the graph)
-                self._step(tokens, feats[None, :n], torch.arange(n, device=device)[None], slice(b, b + 1), step)
-            self.feats[b, 0] = feats[n]
-            self.tokens[b, 0] = prompt[-1]
-            self.count[b], self.start[b] = 1, n
+        for row, (prompt, hidden) in enumerate(zip(prompts, prompt_hidden)):
+            self.begin_row(row, prompt, hidden)
+
+    @torch.inference_mode()
+    def begin_row(self, row: int, prompt: list[int], prompt_hidden: torch.Tensor) -> None:
+        """Start one row from its prompt and the target's hidden states of its committed prompt positions
+        [P-1, 3, H], the other rows left as they are: the head's cache over the pairs (feature t, token t+1) for
+        t < P-2; the last pair is the first to catch up on."""
+        device = self.tokens.device
+        if len(prompt) < 2:  # nothing committed, no feature: this row drafts from its next verify on
+            self.count[row], self.start[row] = 0, 0
+            return
+        feats = fuse(self.params, prompt_hidden.to(device))
+        n = len(prompt) - 2  # pairs before the last
+        if n:
+            tokens = torch.tensor(prompt[1 : n + 1], device=device)[None]
+            # eager: a prompt's length would be one more compilation (once per request, outside the graph)
+            self._step(tokens, feats[None, :n], torch.arange(n, device=device)[None], slice(row, row + 1), step)
+        self.feats[row, 0] = feats[n]
+        self.tokens[row, 0] = prompt[-1]
+        self.count[row], self.start[row] = 1, n
 
     def draft(self):
         """-> (draft [B, k] target ids, draft_len [B], draft probs [B, k, V] when sampled else None)."""
