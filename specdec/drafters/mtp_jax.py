@@ -125,24 +125,31 @@ class JaxMtp(JaxHostDriven):
                 dataclasses.replace(self.sampling, seed=None), str(self.dtype))
 
     def init_state(self) -> dict:
-        B = self.batch
-        return dict(hidden=jnp.zeros((B, self.target_cfg.hidden_size), self.dtype), token=jnp.zeros(B, jnp.int32),
-                    position=jnp.zeros(B, jnp.int32), ready=jnp.zeros(B, bool), key=jax.random.PRNGKey(0))
-
-    def begin(self, target_params, prompts: list[list[int]], prompt_hidden) -> dict:
-        """A fresh state started from each row's prompt and the target's hidden states of its committed
-        positions [P-1, 1, H] (see TorchMtp.begin); also kept for the host-driven cycle."""
+        """A state of no request yet (begin and begin_rows start rows in it)."""
         from specdec.drafters.stateful import draft_key
 
-        hidden = np.zeros((self.batch, self.target_cfg.hidden_size), np.float32)
-        for b, (prompt, rows) in enumerate(zip(prompts, prompt_hidden)):
-            if len(prompt) > 1:
-                hidden[b] = np.asarray(rows[-1, 0], np.float32)
-        self.state = dict(hidden=jnp.asarray(hidden, self.dtype),
-                          token=jnp.asarray([p[-1] for p in prompts], jnp.int32),
-                          position=jnp.asarray([len(p) - 1 for p in prompts], jnp.int32),
-                          ready=jnp.asarray([len(p) > 1 for p in prompts]), key=draft_key(self.sampling.seed))
+        B = self.batch
+        return dict(hidden=jnp.zeros((B, self.target_cfg.hidden_size), self.dtype), token=jnp.zeros(B, jnp.int32),
+                    position=jnp.zeros(B, jnp.int32), ready=jnp.zeros(B, bool), key=draft_key(self.sampling.seed))
+
+    def begin(self, target_params, prompts: list[list[int]], prompt_hidden) -> dict:
+        """A fresh state with every row begun (begin_rows); also kept for the host-driven cycle."""
+        self.state = self.begin_rows(target_params, self.init_state(), dict(enumerate(prompts)), prompt_hidden)
         return self.state
+
+    def begin_rows(self, target_params, state: dict, prompts: dict[int, list[int]], prompt_hidden) -> dict:
+        """`state` with some rows (row -> prompt) started from their prompts and the target's hidden states of their
+        committed positions (prompt_hidden[row]: [P-1, 1, H]; see TorchMtp.begin_row), the other rows left as
+        they are."""
+        rows, prompts = np.asarray(list(prompts)), list(prompts.values())
+        hidden = np.zeros((len(rows), self.target_cfg.hidden_size), np.float32)
+        for i, (row, prompt) in enumerate(zip(rows, prompts)):
+            if len(prompt) > 1:
+                hidden[i] = np.asarray(prompt_hidden[row][-1, 0], np.float32)
+        return dict(state, hidden=state["hidden"].at[rows].set(jnp.asarray(hidden, self.dtype)),
+                    token=state["token"].at[rows].set(np.asarray([p[-1] for p in prompts], np.int32)),
+                    position=state["position"].at[rows].set(np.asarray([len(p) - 1 for p in prompts], np.int32)),
+                    ready=state["ready"].at[rows].set(np.asarray([len(p) > 1 for p in prompts])))
 
     def steps(self, target_params, params, state, target_cache):
         """Yield each draft step's (token [B], its distribution [B, V] or None when greedy, logits [B, V]):

@@ -137,18 +137,23 @@ class TorchMtp:
 
     @torch.inference_mode()
     def begin(self, prompts: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
-        """Start each row from its prompt: the pending token is its last, h the target's hidden state of the
-        last committed position (prompt_hidden[b]: [P-1, 1, H], the committed prompt positions)."""
+        """Start every row (begin_row) and the sampling generator from the request's seed."""
         if self.generator is not None:
             from specdec.drafters.stateful import draft_seed
 
             self.generator.manual_seed(draft_seed(self.sampling.seed))
-        self.ready.zero_()
-        for b, (prompt, hidden) in enumerate(zip(prompts, prompt_hidden)):
-            self.token[b], self.position[b] = prompt[-1], len(prompt) - 1
-            if len(prompt) > 1:
-                self.hidden[b] = hidden[-1, 0]
-                self.ready[b] = True
+        for row, (prompt, hidden) in enumerate(zip(prompts, prompt_hidden)):
+            self.begin_row(row, prompt, hidden)
+
+    @torch.inference_mode()
+    def begin_row(self, row: int, prompt: list[int], prompt_hidden: torch.Tensor) -> None:
+        """Start one row from its prompt, the other rows left as they are: the pending token is its last, h the
+        target's hidden state of the last committed position (prompt_hidden: [P-1, 1, H], the committed prompt
+        positions)."""
+        self.token[row], self.position[row] = prompt[-1], len(prompt) - 1
+        self.ready[row] = len(prompt) > 1
+        if len(prompt) > 1:
+            self.hidden[row] = prompt_hidden[-1, 0]
 
     def steps(self):
         """Yield each draft step's (token [B], its distribution [B, V] or None when greedy, logits [B, V]):
