@@ -125,18 +125,27 @@ class TorchModelDraft:
 
     def begin(self, prompts: list[list[int]], prompt_hidden=None) -> None:
         """Prefill the drafter's cache with each prompt but its last token, which it catches up on first."""
-        import torch
-
         from specdec.drafters.stateful import draft_seed
 
         if self.generator is not None:
             self.generator.manual_seed(draft_seed(self.sampling.seed))
         self.engine.prefill(prompts)
+        self._start(dict(enumerate(prompts)))
+
+    def begin_row(self, row: int, prompt: list[int], prompt_hidden=None) -> None:
+        """begin of one row (the engine's prefill_row), the other rows left as they are."""
+        self.engine.prefill_row(row, prompt)
+        self._start({row: prompt})
+
+    def _start(self, prompts: dict[int, list[int]]) -> None:
+        """Rows (row -> prompt) whose prompts but the last tokens are in the cache: the last is to catch up on."""
+        import torch
+
         device = self.tokens.device
-        self.tokens.zero_()
-        self.tokens[:, 0] = torch.tensor([p[-1] for p in prompts], device=device)
-        self.start.copy_(torch.tensor([len(p) - 1 for p in prompts], device=device))
-        self.count.fill_(1)
+        rows = torch.tensor(list(prompts), device=device)
+        self.tokens[rows] = torch.tensor([[p[-1]] + [0] * (CATCH_UP - 1) for p in prompts.values()], device=device)
+        self.start[rows] = torch.tensor([len(p) - 1 for p in prompts.values()], device=device)
+        self.count[rows] = 1
 
     def _logits(self, tokens, start):
         """The drafter's decode forward of tokens [B, T] from positions start [B] -> float32 logits [B, T, V]."""
@@ -203,10 +212,10 @@ class JaxModelDraft(JaxHostDriven):
 
         return ("model", id(self.engine), self.k, dataclasses.replace(self.sampling, seed=None))
 
-    def begin(self, target_params, prompts: list[list[int]], prompt_hidden=None) -> dict:
-        """Prefill the drafter's cache (a fresh one when the last decode loop consumed it) and start the state."""
+    def init_state(self) -> dict:
+        """A state of no request yet (begin and begin_rows start rows in it) over the drafter engine's cache, a
+        fresh one when the last decode loop consumed it."""
         import jax
-        import jax.numpy as jnp
         import numpy as np
 
         from specdec.drafters.stateful import draft_key
@@ -216,13 +225,40 @@ class JaxModelDraft(JaxHostDriven):
         if engine.cache is None or any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.cache)):
             engine.cache = init_cache(engine.cfg, engine.batch, engine.max_seq_len, engine.k_max,
                                       engine.params["embed_tokens.weight"].dtype, engine.lookahead)
-        engine.prefill(prompts)
-        tokens = np.zeros((engine.batch, CATCH_UP), np.int32)
-        tokens[:, 0] = [p[-1] for p in prompts]
-        self.state = {"cache": engine.cache, "tokens": jnp.asarray(tokens),
-                      "start": jnp.asarray([len(p) - 1 for p in prompts], jnp.int32),
-                      "count": jnp.ones(engine.batch, jnp.int32), "key": draft_key(self.sampling.seed)}
+        B = engine.batch
+        return dict(cache=engine.cache, key=draft_key(self.sampling.seed), **jax.device_put(dict(
+            tokens=np.zeros((B, CATCH_UP), np.int32), start=np.zeros(B, np.int32), count=np.ones(B, np.int32))))
+
+    def begin(self, target_params, prompts: list[list[int]], prompt_hidden=None) -> dict:
+        """Prefill the drafter's cache with every row's prompt (the engine's prefill) and start the state."""
+        state = self.init_state()
+        self.engine.prefill(prompts)
+        self.state = self._started(dict(state, cache=self.engine.cache), dict(enumerate(prompts)))
         return self.state
+
+    def begin_rows(self, target_params, state: dict, prompts: dict[int, list[int]], prompt_hidden=None) -> dict:
+        """begin of some rows (row -> prompt; the engine's prefill_rows) in `state`, the other rows left as they are.
+        Their forwards run pads in the other rows from the lengths given, which are where each row's next draft
+        writes first (its positions clamped as draft clamps them): overwritten before anything reads them."""
+        import jax.numpy as jnp
+
+        engine = self.engine
+        engine.cache, engine.lengths = state["cache"], jnp.minimum(state["start"], engine.max_seq_len - engine.width)
+        engine.prefill_rows(prompts)
+        return self._started(dict(state, cache=engine.cache), prompts)
+
+    @staticmethod
+    def _started(state: dict, prompts: dict[int, list[int]]) -> dict:
+        """The state of rows (row -> prompt) whose prompts but the last tokens are in the cache: the last is to catch
+        up on."""
+        import numpy as np
+
+        rows = np.asarray(list(prompts))
+        tokens = np.zeros((len(rows), CATCH_UP), np.int32)
+        tokens[:, 0] = [p[-1] for p in prompts.values()]
+        return dict(state, tokens=state["tokens"].at[rows].set(tokens),
+                    start=state["start"].at[rows].set(np.asarray([len(p) - 1 for p in prompts.values()], np.int32)),
+                    count=state["count"].at[rows].set(1))
 
     def draft(self, target_params, params, state, target_cache=None):
         """-> (draft [B, k], draft_len [B], draft probs [B, k, V] when sampled else None, state)."""
