@@ -608,20 +608,25 @@ def eagle3_eval_cmd(
 def export_cmd(
     checkpoint: Path = typer.Argument(..., help="a training checkpoint (OUT/checkpoints/step_N) or a training --out (its newest)"),
     out: Path = typer.Argument(..., help="the head directory to write (config.json + model.safetensors)"),
+    overwrite: bool = typer.Option(False, help="write into a directory holding other files: replace only the head's files there"),
 ):
     """Export a training checkpoint as an EAGLE-3 head in the vLLM/SGLang layout."""
     from specdec.training.checkpoint import export_head
 
-    err.print(f"wrote {export_head(checkpoint, out)}", highlight=False, soft_wrap=True)
+    err.print(f"wrote {export_head(checkpoint, out, overwrite)}", highlight=False, soft_wrap=True)
 
 
 @app.command("import-gguf")
 @user_errors
-def import_gguf_cmd(gguf: Path, out: Path):
+def import_gguf_cmd(
+    gguf: Path,
+    out: Path,
+    overwrite: bool = typer.Option(False, help="write into a directory holding other files: replace only the checkpoint's files there"),
+):
     """Import a GGUF (Gemma 3) as a HF checkpoint directory: dequantised weights, config, tokenizer."""
     from specdec.models.gguf_import import import_gguf
 
-    err.print(f"wrote {import_gguf(gguf, out)}")
+    err.print(f"wrote {import_gguf(gguf, out, overwrite=overwrite)}", highlight=False, soft_wrap=True)
 
 
 @app.command()

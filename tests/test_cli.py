@@ -13,7 +13,7 @@ runner = CliRunner()
 
 
 def run(*args):
-    result = runner.invoke(app, list(args))
+    result = runner.invoke(app, [str(a) for a in args])
     return result.exit_code, result.stdout, result.stderr
 
 
@@ -24,6 +24,22 @@ def one_line_error(code, stderr, *needles):
     assert lines[0].startswith("error:")
     for needle in needles:
         assert needle in lines[0]
+
+
+def refused(*args):
+    """Run a command that must end with one line on stderr and exit 1, raising nothing past the CLI (an exception
+    that escapes would be a traceback in a shell), with nothing on stdout; -> the line."""
+    result = runner.invoke(app, [str(a) for a in args])
+    assert isinstance(result.exception, SystemExit), result.exception
+    one_line_error(result.exit_code, result.stderr)
+    assert result.stdout == ""
+    return result.stderr.strip()
+
+
+def snapshot(root):
+    """Every file under `root` (relative path -> bytes) and every directory (-> None): to show a command left
+    them as they were."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
 
 
 @pytest.mark.slow

@@ -21,14 +21,18 @@ from typing import Any
 import numpy as np
 
 from specdec.errors import SpecdecError
-from specdec.models.checkpoint import expected_shapes, save_checkpoint
+from specdec.models.checkpoint import INDEX_NAME, SINGLE_NAME, expected_shapes, save_checkpoint
 from specdec.models.config import FULL, SLIDING, GemmaConfig
 from specdec.models.tokenizer import END_OF_TURN, gguf_field, tokenizer_files_from_gguf
+from specdec.output_dir import OutputDir
 
 DEFAULT_MODEL_DIR = "gemma-3-270m"
 # Written last into an imported directory; bump IMPORT_VERSION when the output changes so caches rebuild.
 IMPORT_MARKER = "specdec-import.json"
 IMPORT_VERSION = 1
+# Every file an import writes (specdec.output_dir), the marker last: it is moved into place last.
+IMPORT_WRITES = ("config.json", SINGLE_NAME, "model-*-of-*.safetensors", INDEX_NAME, "tokenizer.json",
+                 "tokenizer_config.json", IMPORT_MARKER)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -56,11 +60,13 @@ _SLIDING_WINDOW_PATTERN = 6
 _SLIDING_ROPE_THETA = 10_000.0
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True) -> Path:
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True, overwrite: bool = False) -> Path:
     """Write `out_dir` (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) from a Gemma 3
-    GGUF. The directory appears complete or not at all: everything is built beside it and renamed into place."""
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    GGUF. It is built beside the directory and moved into place (specdec.output_dir): an earlier import there is
+    replaced, a directory holding other files refused before any work unless `overwrite`, which keeps them."""
+    gguf_path = Path(gguf_path)
     reader = _open(gguf_path)
+    output = OutputDir(out_dir, IMPORT_WRITES, "import-gguf", "importing", overwrite)
     config = config_from_gguf(reader, str(gguf_path))
     cfg = GemmaConfig.from_dict(config, str(gguf_path))
     shapes = expected_shapes(cfg)
@@ -85,17 +91,13 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
         bar.update(task, description="building tokenizer")
         tokenizer_files = tokenizer_files_from_gguf(reader, str(gguf_path))
         bar.update(task, description="writing safetensors")
-        staging = out_dir.with_name(f".{out_dir.name}.importing-{os.getpid()}")
-        try:
+        with output.writing() as staging:
             save_checkpoint(staging, config, tensors)
             for fname, text in tokenizer_files.items():
                 (staging / fname).write_text(text, encoding="utf-8")
             (staging / IMPORT_MARKER).write_text(json.dumps({"version": IMPORT_VERSION, "source": gguf_path.name}))
-            _swap_into_place(staging, out_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         bar.update(task, advance=1, description=f"imported {gguf_path.name}")
-    return out_dir
+    return output.path
 
 
 def default_checkpoint() -> Path:
@@ -227,16 +229,6 @@ def _is_complete(directory: Path) -> bool:
         return json.loads((directory / IMPORT_MARKER).read_text()).get("version") == IMPORT_VERSION
     except (OSError, ValueError):
         return False
-
-
-def _swap_into_place(staging: Path, target: Path) -> None:
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-        os.replace(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, target)
 
 
 def _console():

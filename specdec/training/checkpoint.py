@@ -205,10 +205,15 @@ def restore_opt_state(ckpt: Checkpoint, template):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def export_head(checkpoint: str | Path, out: str | Path) -> Path:
+def export_head(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """A training checkpoint (or a training output directory's newest) as a head directory in the
-    vLLM/SGLang EAGLE-3 layout (eagle3.save_head): config.json + model.safetensors."""
-    from specdec.drafters.eagle3 import save_head
+    vLLM/SGLang EAGLE-3 layout (eagle3.save_head): config.json + model.safetensors. An earlier export in `out` is
+    replaced; a directory holding other files is refused unless `overwrite`, which keeps them (specdec.output_dir)."""
+    from specdec.drafters.eagle3 import CONFIG_NAME, WEIGHTS_NAME, save_head
+    from specdec.output_dir import OutputDir
 
+    output = OutputDir(out, (WEIGHTS_NAME, CONFIG_NAME), "export", "exporting", overwrite)
     ckpt = read_checkpoint(checkpoint)
-    return save_head(out, ckpt.head_cfg, ckpt.params, ckpt.d2t, ckpt.t2d)
+    with output.writing() as staging:
+        save_head(staging, ckpt.head_cfg, ckpt.params, ckpt.d2t, ckpt.t2d)
+    return output.path

@@ -1,0 +1,126 @@
+"""Issue 81, case by case: outputs that never delete what the command did not write, no exit 0 with output the
+command knows to be wrong, and bad values refused with one line, before the model loads wherever they can be."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specdec.output_dir import OutputDir
+from tests.models.test_gguf_import import write_tiny_gemma3_gguf
+from tests.test_cli import refused, run, snapshot
+
+HEAD_FILES = {"config.json", "model.safetensors"}
+IMPORT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "specdec-import.json"}
+
+
+# -- import-gguf and export: what they write, and nothing else -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def training_checkpoint(random_checkpoints, tmp_path_factory):
+    """A training checkpoint of a random EAGLE-3 head for the random gemma3 target (no training run)."""
+    from specdec.drafters.eagle3 import Eagle3Config, random_head
+    from specdec.models.config import GemmaConfig
+    from specdec.training.checkpoint import save_checkpoint
+    from specdec.training.config import TrainConfig
+
+    target = GemmaConfig.from_file(random_checkpoints["gemma3"] / "config.json")
+    head_cfg = Eagle3Config.for_target(target, 64, (1, 2, 3))
+    head = random_head(head_cfg)
+    return save_checkpoint(tmp_path_factory.mktemp("training") / "run", 1, head.params, {}, head.d2t, head.t2d,
+                           head_cfg, TrainConfig(), 0, keep=1)
+
+
+@pytest.fixture(params=["import-gguf", "export"])
+def command(request, tmp_path_factory, training_checkpoint):
+    """(command name, its input, the files it writes)."""
+    if request.param == "export":
+        return "export", training_checkpoint, HEAD_FILES
+    gguf = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gemma3_gguf(gguf)
+    return "import-gguf", gguf, IMPORT_FILES
+
+
+@pytest.fixture
+def foreign(tmp_path):
+    """A directory of the user's: a file and a subdirectory."""
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("do not lose me")
+    (mine / "sub" / "data.bin").write_bytes(bytes(range(256)))
+    return mine
+
+
+def test_a_foreign_directory_is_refused_and_left_byte_for_byte(command, foreign, tmp_path):
+    name, source, _ = command
+    before = snapshot(tmp_path)
+    line = refused(name, source, foreign)
+    assert "holds files" in line and "notes.txt, sub/" in line and "--overwrite" in line
+    assert snapshot(tmp_path) == before  # the directory, and no temporary left beside it
+
+
+def test_a_file_where_the_directory_goes_is_refused(command, tmp_path):
+    name, source, _ = command
+    (tmp_path / "out").write_text("a file of the user's")
+    before = snapshot(tmp_path)
+    assert "exists and is not a directory" in refused(name, source, tmp_path / "out")
+    assert snapshot(tmp_path) == before
+
+
+def test_overwrite_replaces_only_the_commands_files(command, foreign, tmp_path):
+    name, source, writes = command
+    (foreign / "config.json").write_text("{}")  # a name the command writes: replaced
+    mine = {k: v for k, v in snapshot(foreign).items() if k != "config.json"}
+    code, _, err = run(name, source, foreign, "--overwrite")
+    assert code == 0, err
+    after = snapshot(foreign)
+    assert {k: after[k] for k in mine} == mine
+    assert set(after) - set(mine) == writes and after["config.json"] != b"{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_a_second_run_replaces_the_first(command, tmp_path):
+    name, source, writes = command
+    for _ in range(2):
+        code, _, err = run(name, source, tmp_path / "out")
+        assert code == 0, err
+        assert {p.name for p in (tmp_path / "out").iterdir()} == writes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_killed_runs_temporary_is_removed_by_the_next_run(command, tmp_path):
+    """A kill -9 while writing leaves the staging directory; the next run removes it, and keeps a live one's."""
+    name, source, _ = command
+    tag = {"import-gguf": "importing", "export": "exporting"}[name]
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    stale, live = (tmp_path / f".out.{tag}-{pid}" for pid in (ended.pid, os.getppid()))
+    for staging in (stale, live):
+        (staging / "out").mkdir(parents=True)
+        (staging / "out" / "model.safetensors").write_bytes(b"\0" * 4096)
+    code, _, err = run(name, source, tmp_path / "out")
+    assert code == 0, err
+    assert not stale.exists() and live.exists()
+
+
+def test_the_working_directory_as_the_output(command, tmp_path, monkeypatch):
+    """`import-gguf FILE .` failed after dequantising, on the empty name of '.'. A non-empty one is refused first."""
+    name, source, writes = command
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    assert "holds files" in refused(name, source, ".")
+    (tmp_path / "notes.txt").unlink()
+    code, _, err = run(name, source, ".")
+    assert code == 0, err
+    assert {p.name for p in tmp_path.iterdir()} == writes
+
+
+def test_output_dir_declares_what_it_writes(tmp_path):
+    """A write of an undeclared file is the command's bug, not a file to leave in the user's directory."""
+    output = OutputDir(tmp_path / "out", ("a.json",), "test", "testing")
+    with pytest.raises(AssertionError, match="b.json"):
+        with output.writing() as staging:
+            (staging / "b.json").write_text("{}")
+    assert list(tmp_path.iterdir()) == []
