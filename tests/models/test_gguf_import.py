@@ -101,13 +101,14 @@ def test_tiny_gguf_imports_names_norms_config_tokenizer(tmp_path):
     assert tok.eos_ids == (1, 6)
 
 
-def test_reimport_replaces_existing_directory(tmp_path):
+def test_reimport_replaces_an_earlier_import(tmp_path):
+    """Only the files an import writes: a directory holding others is refused (tests/test_bad_input.py)."""
     write_tiny_gemma3_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "ckpt"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
     import_gguf(tmp_path / "tiny.gguf", out, progress=False)
-    assert not (out / "stale.txt").exists() and (out / IMPORT_MARKER).exists()
+    (out / "model.safetensors").write_bytes(b"stale")
+    import_gguf(tmp_path / "tiny.gguf", out, progress=False)
+    assert (out / "model.safetensors").read_bytes() != b"stale" and (out / IMPORT_MARKER).exists()
 
 
 def test_unknown_tensor_is_named(tmp_path):
