@@ -2,9 +2,9 @@
 and greedy tokens of the real Gemma 3 270M against transformers.
 
 Error is max |ours - reference| / max |reference| over the compared logits. Sequences run to 40 tokens: past
-the sliding window (8) and around the ring (8 + k_max = 16 slots) more than twice. Every chunk pattern runs
-through both frameworks, so each JAX result is checked against transformers' full forward and against
-torch_gemma fed the same chunks.
+the sliding window (8), inside the ring (64 slots: its wrap is tests/verifiers/test_sliding_ring.py's). Every
+chunk pattern runs through both frameworks, so each JAX result is checked against transformers' full forward and
+against torch_gemma fed the same chunks.
 """
 
 import jax

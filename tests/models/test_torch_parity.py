@@ -1,7 +1,7 @@
 """The PyTorch model against transformers on random checkpoints of every variant (fp32).
 
 Error is max |ours - reference| / max |reference| over the compared logits. Sequences run to 40 tokens:
-past the sliding window (8) and around the ring (8 + k_max = 16 slots) more than twice.
+past the sliding window (8), inside the ring (64 slots: its wrap is tests/verifiers/test_sliding_ring.py's).
 """
 
 import pytest

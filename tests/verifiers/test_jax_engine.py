@@ -23,7 +23,7 @@ from specdec.verifiers.jax_engine import (PREFILL_CHUNK, JaxEngine, JaxFusedCycl
 VARIANT = "gemma4_e"  # per-layer inputs, KV-shared layers, double-wide MLPs
 K_MAX = 4
 PROMPT = [2] + list(np.random.default_rng(0).integers(3, 512, 102))  # prefill: 13 forwards of 8 (the decode width), the last padded
-LONG = 640  # window 8, ring 12 slots: wraps the ring 50 times
+LONG = 640  # window 8, ring 64 slots: wraps the ring 10 times
 
 
 def sha(tokens):

@@ -162,13 +162,13 @@ def test_warm_up_prefill_compiles_every_chunk_length_a_prompt_can_need(random_ch
     eager_compile = functools.partial(torch.compile, backend="eager")
     monkeypatch.setattr(torch, "compile", eager_compile)
     torch._dynamo.reset()
-    model = GemmaModel.from_checkpoint(random_checkpoints["gemma3"], max_seq_len=128)  # a ring of 16 slots
+    model = GemmaModel.from_checkpoint(random_checkpoints["gemma3"], max_seq_len=128)  # a ring of 64 slots
     engine = TorchEngine(model, batch=2, max_seq_len=128, k_max=4, compile=True)
     counters.clear()
     engine.warm_up_prefill()
     compiled = counters["stats"]["unique_graphs"]
     assert compiled >= 1
-    for length in (1, 2, 3, 5, 16, 17, 31, 32, 33, 40, 119):
+    for length in (1, 2, 3, 5, 16, 17, 31, 32, 33, 40, 64, 65, 119):  # 64, 65: a chunk filling the ring, one past
         engine.prefill_row(length % 2, list(range(5, 6 + length)))
     assert counters["stats"]["unique_graphs"] == compiled
 
