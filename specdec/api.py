@@ -12,12 +12,13 @@ from typing import Callable, Sequence
 
 from specdec.errors import SpecdecError
 from specdec.generate import Generation, HostCycle, StopCondition, run_cycles
-from specdec.models.config import GemmaConfig, with_parts_xla_flags
+from specdec.models.config import GemmaConfig, decode_width, with_parts_xla_flags
 from specdec.models.tokenizer import Tokenizer
 from specdec.protocol import DEFAULT_DRAFTS
 from specdec.sampling import SamplingParams
 
 ENGINES = ("torch", "jax")
+DTYPES = ("float32", "bfloat16", "float16")  # what both engines compute in
 DRAFTERS = ("ngram", "none", "eagle3=DIR", "model=DIR", "mtp=DIR")
 DRAFTER_DIRS = {"eagle3": "the head's directory", "model": "the drafter checkpoint's directory",
                 "mtp": "the assistant checkpoint's directory"}
@@ -117,7 +118,16 @@ def load(
         raise SpecdecError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     if k_max < 0:
         raise SpecdecError(f"k_max must be >= 0, got {k_max}")
+    if dtype is not None and dtype not in DTYPES:
+        raise SpecdecError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if max_seq_len <= decode_width(k_max):
+        raise SpecdecError(f"a context of {max_seq_len} positions is too small: a decode forward alone writes "
+                           f"{decode_width(k_max)} (k_max {k_max}), and a prompt needs one more")
     path = resolve_checkpoint(target)
+    positions = GemmaConfig.from_file(path / "config.json").max_position_embeddings
+    if max_seq_len > positions:
+        raise SpecdecError(f"a context of {max_seq_len} positions is beyond the model's {positions} "
+                           f"({path / 'config.json'}: max_position_embeddings)")
     start = time.perf_counter()
     # First, so that a missing tokenizer fails fast. In a thread beside the engine's load its parse would overlap
     # nothing (it holds the GIL: docs/benchmarks.md); in a child process it does.
@@ -144,11 +154,10 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
 
         tp_group = _torch_tp_group(tensor_parallel)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        _check_torch_device(device)
         if tp_group is not None and device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"  # init_distributed picked this process's GPU
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-            dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-        ]
+        torch_dtype = getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
         compile_cache.enable_torch()
         model = GemmaModel.from_checkpoint(path, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
                                            tp_group=tp_group, tp_parts=tp_parts, fp8=fp8)
@@ -183,6 +192,22 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
         )
         cfg = verifier.cfg
     return verifier, cfg
+
+
+def _check_torch_device(device: str) -> None:
+    """The torch engine runs on the CPU or a CUDA device that torch sees."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise SpecdecError(f"unknown device {device!r} (cpu, cuda or cuda:N)")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (parsed.index or 0) >= count:
+            raise SpecdecError(f"device {device!r}: torch sees {count or 'no'} CUDA device{'s' * (count != 1)}")
 
 
 def init_distributed(cuda: bool | None = None) -> int:

@@ -380,7 +380,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
     port: int = typer.Option(8000, help="port to listen on (0: a free one)"),
     max_num_seqs: int = typer.Option(8, help="requests decoded together (rows of the engine's batch)"),
-    max_model_len: int = typer.Option(4096, help="context per request: prompt + generated tokens"),
+    max_model_len: int = typer.Option(4096, help="positions the KV cache holds per request: its prompt and generated tokens fit in all but the few kept for drafts (/v1/models says how many fit)"),
     speculative_config: Optional[str] = typer.Option(None, help='JSON as vLLM\'s, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}\'; absent: plain decoding'),
     served_model_name: Optional[str] = typer.Option(None, help="the model name requests use [default: the checkpoint directory's name]"),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),

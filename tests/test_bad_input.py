@@ -1,7 +1,9 @@
 """Issue 81, case by case: outputs that never delete what the command did not write, no exit 0 with output the
 command knows to be wrong, and bad values refused with one line, before the model loads wherever they can be."""
 
+import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -124,3 +126,59 @@ def test_output_dir_declares_what_it_writes(tmp_path):
         with output.writing() as staging:
             (staging / "b.json").write_text("{}")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- what the engines cannot run, refused in one line before the weights load --------------------------------
+
+
+@pytest.mark.parametrize("args, dtype", [
+    (["generate", "def add(a, b):", "--engine", "jax"], "int8"),
+    (["generate", "def add(a, b):", "--engine", "jax"], "float8"),
+    (["generate", "def add(a, b):"], "float8"),
+    (["generate", "def add(a, b):"], "int64"),
+    (["validate"], "float8"),
+])
+def test_dtypes_the_engines_do_not_compute_in_are_refused_by_name(ckpt, args, dtype):
+    assert f"unknown dtype '{dtype}' (choose from float32, bfloat16, float16)" in refused(
+        *args, "--target", ckpt, "--dtype", dtype)
+
+
+@pytest.mark.parametrize("command", ["generate", "inspect"])
+@pytest.mark.parametrize("edit, needle", [
+    (lambda cfg: [1, 2, 3], "not a JSON object of settings (a list)"),
+    (lambda cfg: {**cfg, "num_hidden_layers": "twelve"}, "num_hidden_layers must be an integer, got 'twelve'"),
+    (lambda cfg: {**cfg, "rope_parameters": [1]}, "malformed config"),
+])
+def test_a_malformed_config_is_named(ckpt, command, edit, needle):
+    config = ckpt / "config.json"
+    config.write_text(json.dumps(edit(json.loads(config.read_text()))))
+    args = ["generate", "Hello"] if command == "generate" else ["inspect"]
+    line = refused(*args, "--target", ckpt)
+    assert str(config) in line and needle in line
+
+
+def test_a_context_beyond_the_models_positions(ckpt):
+    assert "beyond the model's 4096" in refused("generate", "Hello", "--target", ckpt, "--max-seq-len", "100000")
+
+
+def test_cuda_without_cuda(ckpt):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    assert "device 'cuda': torch sees no CUDA devices" in refused("generate", "Hello", "--target", ckpt,
+                                                                   "--device", "cuda")
+
+
+def test_serve_max_model_len_below_a_decode_forward(tmp_path):
+    assert "--max-model-len must be more than 8" in refused("serve", "--target", tmp_path / "absent",
+                                                            "--max-model-len", "0")
+
+
+def test_serve_on_a_busy_port_says_so_before_loading(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = refused("serve", "--target", tmp_path / "absent", "--port", port)
+    assert f"cannot listen on 127.0.0.1:{port}" in line

@@ -159,6 +159,19 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served, cli
     assert metrics(served[1])[("specdec_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] >= 10
 
 
+def test_the_advertised_context_fits(served, client):
+    """/v1/models' max_model_len is what a request's prompt and completion can take together: the positions kept for
+    drafts (7 of the 256 at k = 4) are not advertised."""
+    url = served[1]
+    max_model_len = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    assert max_model_len == 256 - 7
+    prompt = [2] + [10] * 9
+    fits = complete(client, prompt, max_model_len - len(prompt), temperature=0)
+    assert fits.usage.prompt_tokens + fits.usage.completion_tokens <= max_model_len
+    too_long = {"prompt": prompt, "max_tokens": max_model_len - len(prompt) + 1}
+    assert error_of(httpx.post(url + "/v1/completions", json=too_long), 400)["code"] == "context_length_exceeded"
+
+
 def wait_for_free_rows(url: str, seconds: float = 5.0) -> None:
     deadline = time.monotonic() + seconds
     while httpx.get(url + "/health").json()["running"] != 0:

@@ -249,17 +249,27 @@ class GemmaConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "GemmaConfig":
+        if not isinstance(raw, dict):
+            raise SpecdecError(f"{source}: not a JSON object of settings (a {type(raw).__name__})")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise SpecdecError(
                 f"{source}: unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         if model_type == "gemma4":
-            if "text_config" not in raw:
-                raise SpecdecError(f"{source}: model_type 'gemma4' needs a 'text_config'")
+            if not isinstance(raw.get("text_config"), dict):
+                raise SpecdecError(f"{source}: model_type 'gemma4' needs a 'text_config' object")
             raw = dict(raw["text_config"], model_type="gemma4_text")
             model_type = "gemma4_text"
-        return _parse(raw, model_type, source)
+        for key in _INTEGER_FIELDS:
+            value = raw.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or isinstance(value, float) and not value.is_integer()):
+                raise SpecdecError(f"{source}: {key} must be an integer, got {value!r}")
+        try:
+            return _parse(raw, model_type, source)
+        except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong kind deeper in, e.g. a rope entry
+            raise SpecdecError(f"{source}: malformed config ({e})") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "GemmaConfig":
@@ -283,6 +293,14 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> np.ndarray:
     inv = (f32(1.0) / (f32(spec.theta) ** exponents)).astype(f32)
     inv = np.concatenate([inv, np.zeros(head_dim // 2 - rotated, f32)])
     return (inv / f32(spec.factor)).astype(f32)
+
+
+# Read as integers: a value of another kind is refused by name rather than failing where it is used.
+_INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "sliding_window", "sliding_window_pattern",
+                   "max_position_embeddings", "bos_token_id", "pad_token_id", "num_kv_shared_layers",
+                   "hidden_size_per_layer_input", "vocab_size_per_layer_input", "num_experts", "top_k_experts",
+                   "moe_intermediate_size")
 
 
 def _required(raw: dict, key: str, source: str):

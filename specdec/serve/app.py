@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.errors import SpecdecError
 from specdec.generate import StopCondition, check_context
+from specdec.models.config import decode_width
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
 from specdec.serve.api import APIError, ChatCompletionRequest, CompletionRequest, ResponseShape, GenerationRequest
@@ -70,6 +71,11 @@ class ModelServer:
             raise SpecdecError(f"--port must be in 0..65535, got {config.port}")
         if config.cycles_per_call is not None and config.cycles_per_call < 1:
             raise SpecdecError(f"--cycles-per-call must be >= 1, got {config.cycles_per_call}")
+        width = decode_width(max(config.speculative.k, 1))
+        if config.max_model_len <= width:
+            raise SpecdecError(f"--max-model-len must be more than {width}, the positions a decode forward writes "
+                               f"(k={config.speculative.k}), got {config.max_model_len}")
+        check_can_listen(config.host, config.port)  # before the minutes of loading and warming up
         self.config = config
         self.target = specdec.load(config.target, engine=config.engine, dtype=config.dtype,
                                    k_max=max(config.speculative.k, 1), max_seq_len=config.max_model_len,
@@ -172,6 +178,21 @@ class ModelServer:
         sampling = body.sampling(default_seed=random.randrange(2**63))
         stop = StopCondition(max_tokens, self.tokenizer.eos_ids, body.stop_strings, decode=self.tokenizer.decode)
         return Job(self.scheduler, self.tokenizer, prompt, sampling, stop)
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Bind `host`:`port` as uvicorn will (SO_REUSEADDR: a port left in TIME_WAIT is free), and let it go."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:  # socket.gaierror among them
+        raise SpecdecError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
 
 
 def device_name(target) -> str:
@@ -301,8 +322,9 @@ def create_app(server: ModelServer) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        engine = server.target.engine  # the last width - 1 positions are kept for drafts (generate.check_context)
         card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "specdec",
-                "max_model_len": server.target.engine.max_seq_len}
+                "max_model_len": engine.max_seq_len - engine.width + 1}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
