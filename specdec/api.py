@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from specdec.errors import SpecdecError
-from specdec.generate import Generation, HostCycle, StopCondition, run_cycles
+from specdec.generate import Generation, HostCycle, StopCondition, check_context, run_cycles
 from specdec.models.config import GemmaConfig, decode_width, with_parts_xla_flags
 from specdec.models.tokenizer import Tokenizer
 from specdec.protocol import DEFAULT_DRAFTS
@@ -455,6 +455,7 @@ def generate(
     else:
         ids = [tok.encode(p) for p in prompts]
     stop = StopCondition(max_new_tokens, tok.eos_ids, stop_strings, decode=tok.decode)
+    check_context(target.engine, ids, max_new_tokens)  # before the warm-up's shorter run could refuse it in its terms
     decoders = [tok.stream_decoder() for _ in prompts]
 
     def stream(row: int, tokens: list[int]) -> None:

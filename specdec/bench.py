@@ -107,6 +107,8 @@ def check_settings(settings: BenchSettings) -> None:
         raise SpecdecError("no engine to benchmark")
     if not settings.ks:
         raise SpecdecError("--k: no draft length given")
+    if min(settings.ks) < 1:
+        raise SpecdecError(f"--k: K={min(settings.ks)} is below 1 (plain decoding, K=0, always runs)")
     k_max = settings.engine_k_max
     if k_max < 1:
         raise SpecdecError(f"--k-max must be >= 1, got {k_max}")

@@ -24,6 +24,8 @@ TARGET_HELP = "checkpoint directory (HF layout); default: the embedded Gemma 3 2
 # Measured on an H200 (270M, bf16): compiling costs 10 s with a warm inductor cache and saves ~3 ms per
 # token, so it pays off from a few thousand tokens on.
 COMPILE_FROM_TOKENS = 2048
+# The sampling gate's draws per case at most: it holds them all in memory, 13.7 GB at this many (2 CPU cores, 6 min).
+MAX_DRAWS = 1_000_000
 # Set by a command that leaves nothing to clean up: main() then ends the process without the interpreter's
 # teardown, which takes about 0.5 s after a JAX generate on an H200 (the XLA client, the CUDA context).
 skip_teardown = False
@@ -84,6 +86,10 @@ def generate(
     import specdec
     from specdec.sampling import SamplingParams
 
+    check_text(prompt, "the prompt")
+    if "" in stop:
+        raise SpecdecError("--stop '': an empty stop string would end the text at its first token")
+    check_room(max_seq_len, max_new_tokens, k)
     rank = 0
     if tensor_parallel > 1 and engine == "torch":
         from specdec.api import init_distributed
@@ -104,18 +110,18 @@ def generate(
                           invariant=invariant, compile=compile, hidden_layers=drafter_taps(drafter, target),
                           tensor_parallel=tensor_parallel, tp_parts=tp_parts, tokenizer_in_child=True, fp8=fp8)
     out = sys.stdout if rank == 0 else io.StringIO()
-    out.write(prompt)
-    out.flush()
+    unechoed = [prompt]  # the prompt goes out with the first text: an error before it leaves stdout empty
 
     def on_text(_row: int, text: str) -> None:
-        out.write(text)
+        out.write("".join(unechoed) + text)
+        unechoed.clear()
         out.flush()
 
     _, result = specdec.generate(
         prompt, loaded, drafter=drafter, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
         stop_strings=stop, chat=chat, on_text=on_text, fused=fused, compare_plain=compare_plain,
     )
-    out.write("\n")
+    out.write("".join(unechoed) + "\n")
     s = result.stats
     if rank == 0:
         err.print(f"[dim]{engine}{' fp8' if fp8 else ''} · drafter {drafter if s.k else 'none'} · k={s.k} · "
@@ -162,6 +168,14 @@ def validate(
 
     if k_max < 1:
         raise SpecdecError(f"--k-max must be >= 1, got {k_max}")
+    for flag, value in (("--tokens", tokens), ("--draws", draws), ("--sampled-rows", sampled_rows)):
+        if value is not None and value < 1:
+            raise SpecdecError(f"{flag} must be >= 1, got {value}")
+    if draws > MAX_DRAWS:
+        raise SpecdecError(f"--draws must be at most {MAX_DRAWS:,}: the sampling gate holds every draw in memory "
+                           f"(14 GB at that many)")
+    check_text(prompt, "--prompt")
+    check_output_file(evidence, "--evidence")  # before the gates, whose record it keeps
     engines = ["torch", "jax"] if engine == "all" else [engine]
     texts = read_prompts(prompts) if prompts is not None else [prompt]
     on_cuda = _cuda_available() if device is None else device.startswith("cuda")
@@ -217,6 +231,42 @@ def validate(
     err.print(f"{passed}/{len(results)} gates passed; {clean}/{len(texts)} prompts pass every gate; evidence in {evidence}")
     if passed != len(results):
         raise typer.Exit(1)
+
+
+def check_text(text: str, what: str) -> None:
+    """Text from the command line that is not UTF-8 (the shell passes bytes; Python keeps the bad ones as lone
+    surrogates) is refused by name, before the tokenizer fails on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SpecdecError(f"{what} is not UTF-8 text (character {e.start + 1} is the byte "
+                           f"0x{ord(text[e.start]) & 0xFF:02x})") from None
+
+
+def check_room(max_seq_len: int, max_new_tokens: int, k: int) -> None:
+    """Before loading: generate's context holds a one-token prompt, the new tokens and the positions a decode forward
+    writes past them (generate.check_context checks the real prompt once it is encoded)."""
+    from specdec.models.config import decode_width
+
+    if max_new_tokens < 1:
+        raise SpecdecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    kept = decode_width(max(k, 1)) - 1
+    if max_seq_len < 1 + max_new_tokens + kept:
+        raise SpecdecError(f"--max-seq-len {max_seq_len} is too small for --max-new-tokens {max_new_tokens} at -k {k}: "
+                           f"a prompt of one token, {max_new_tokens} new ones and the {kept} positions kept for drafts "
+                           f"need {1 + max_new_tokens + kept}")
+
+
+def check_output_file(path: Path, flag: str, makes_parents: bool = False) -> None:
+    """Before the work whose results go to `path`: it is no directory, and its directory exists and is writable (or,
+    for a command that `makes_parents`, the nearest one that exists)."""
+    if path.is_dir():
+        raise SpecdecError(f"{flag} {path}: is a directory")
+    above = next(parent for parent in path.absolute().parents if parent.exists())
+    if not above.is_dir() or above != path.absolute().parent and not makes_parents:
+        raise SpecdecError(f"{flag} {path}: no directory {path.parent}")
+    if not os.access(above, os.W_OK):
+        raise SpecdecError(f"{flag} {path}: {above} is not writable")
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -340,13 +390,15 @@ def bench(
         isolate=isolate, graph_prefill=graph_prefill,
     )
     benchmark.require("matplotlib", "the plot")
+    plot = plot or out.with_suffix(".png")
+    check_output_file(out, "--out")
+    check_output_file(plot, "--plot")
     if not invariant:
         err.print("[yellow]invariant forwards off: speculative output can differ from plain decoding at "
                   "floating-point near-ties[/yellow]")
     record = benchmark.run_bench(settings)
     benchmark.print_table(record, Console())
     out.write_text(json.dumps(record, indent=1))
-    plot = plot or out.with_suffix(".png")
     benchmark.plot_bench(record, plot)
     acceptance, cost = (plot.with_name(f"{plot.stem}-{name}.png") for name in ("acceptance", "cost"))
     benchmark.plot_acceptance(record, acceptance)
@@ -490,10 +542,11 @@ def corpus_cmd(
 
     from specdec.data.corpus import build_corpus, default_sources, heldout_path, parse_source, write_corpus
 
-    if mb <= 0:
+    if not mb > 0:  # NaN too
         raise SpecdecError(f"--mb must be > 0, got {mb}")
     if out.exists() and not overwrite:
         raise SpecdecError(f"{out}: already exists (pass --overwrite to replace it)")
+    check_output_file(out, "--out", makes_parents=True)
     sources = (default_sources() if builtin else []) + [parse_source(s) for s in source]
     if not sources:
         raise SpecdecError("no sources: pass --source DIR, or leave --builtin on")
@@ -585,6 +638,8 @@ def eagle3_eval_cmd(
     from specdec.evidence import git_commit, now_utc
     from specdec.training.trainer import evaluate_head
 
+    if out is not None:
+        check_output_file(out, "--out")
     metrics = evaluate_head(head, data, target, batch_size, seq_len, ttt_steps)
     # Accuracy counts the tokens in the draft vocabulary; over all tokens the rest are misses, as in drafting.
     table = Table("draft step", "accuracy", "over all tokens", "loss", "in draft vocab", "tokens")

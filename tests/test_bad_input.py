@@ -182,3 +182,50 @@ def test_serve_on_a_busy_port_says_so_before_loading(tmp_path):
         port = busy.getsockname()[1]
         line = refused("serve", "--target", tmp_path / "absent", "--port", port)
     assert f"cannot listen on 127.0.0.1:{port}" in line
+
+
+# -- the command line's values, refused before anything loads ------------------------------------------------
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", "Hello", "--max-seq-len", "0"], "--max-seq-len 0 is too small for --max-new-tokens 128"),
+    (["generate", "Hello", "--max-seq-len", "-5"], "--max-seq-len -5 is too small"),
+    (["generate", "Hello", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["validate", "--draws", "0"], "--draws must be >= 1, got 0"),
+    (["validate", "--draws", "100000000"], "--draws must be at most 1,000,000"),
+    (["validate", "--tokens", "0"], "--tokens must be >= 1, got 0"),
+    (["validate", "--sampled-rows", "-1"], "--sampled-rows must be >= 1, got -1"),
+    (["validate", "--evidence", "/nonexistent/dir/ev.json"], "--evidence /nonexistent/dir/ev.json: no directory"),
+])
+def test_bad_values_are_refused_before_loading(args, needle, tmp_path):
+    """A target that is no checkpoint: these fail before it is read."""
+    assert needle in refused(*args, "--target", tmp_path / "absent")
+
+
+def test_validate_writes_evidence_where_it_can(ckpt, tmp_path):
+    """--evidence in a directory that exists and is a directory, checked before any gate runs."""
+    (tmp_path / "ev.json").mkdir()
+    assert "--evidence" in refused("validate", "--target", ckpt, "--evidence", tmp_path / "ev.json")
+
+
+def test_a_context_too_small_for_the_new_tokens_says_how_many_were_asked(tmp_path):
+    line = refused("generate", "def add(a, b):", "--target", tmp_path / "absent", "--max-new-tokens", "8",
+                   "--max-seq-len", "12")
+    assert "--max-seq-len 12 is too small for --max-new-tokens 8" in line and "need 16" in line
+
+
+def test_a_prompt_too_long_for_the_context_names_the_tokens_asked_for(ckpt):
+    """Found once the prompt is encoded, after loading: still the user's 8 new tokens (not the warm-up's 2), and
+    stdout holds no echo of the prompt."""
+    line = refused("generate", "word " * 20, "--target", ckpt, "--max-new-tokens", "8", "--max-seq-len", "32")
+    assert "tokens + 8 new tokens does not fit the context of 32 tokens" in line
+
+
+def test_an_empty_stop_string_is_refused(tmp_path):
+    assert "--stop ''" in refused("generate", "Hello", "--target", tmp_path / "absent", "--stop", "")
+
+
+def test_a_prompt_that_is_not_utf8_is_named(tmp_path):
+    """The shell's bytes b'\\xff\\xfe' reach Python as lone surrogates."""
+    line = refused("generate", "\udcff\udcfeab", "--target", tmp_path / "absent")
+    assert "the prompt is not UTF-8 text (character 1 is the byte 0xff)" in line

@@ -103,8 +103,8 @@ def test_unsupported_model_type(ckpt):
 
 
 def test_prompt_longer_than_the_context(ckpt):
-    code, _, err = run("generate", "word " * 300, "--target", str(ckpt), "--max-seq-len", "128")
-    one_line_error(code, err, "does not fit the context of 128")
+    code, _, err = run("generate", "word " * 300, "--target", ckpt, "--max-seq-len", "128", "--max-new-tokens", "8")
+    one_line_error(code, err, "+ 8 new tokens does not fit the context of 128")
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,8 @@ class DistillSettings:
             raise SpecdecError(f"feature dtype must be float16 or float32, got {self.feature_dtype!r}")
         if self.max_prompt_len(decode_width(self.k)) < 1:
             raise SpecdecError(f"max-new-tokens {self.max_new_tokens} leaves no room for a prompt in a context of "
-                               f"{self.max_seq_len} (max-seq-len)")
+                               f"{self.max_seq_len} (max-seq-len) beside the {decode_width(self.k) - 1} positions kept "
+                               f"for drafts of k={self.k}")
 
     def max_prompt_len(self, width: int) -> int:
         """The longest prompt that fits the context with the response, for decode forwards `width` rows wide
