@@ -169,10 +169,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.name}\n    {m.why}\n    {m.file}; tests: {' '.join(m.tests)}")
         return 0
 
+    rev = None
+    if args.rev:  # one commit for every mutant, however the branch moves while they run
+        resolved = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet",
+                                   f"{args.rev}^{{commit}}"], capture_output=True, text=True)
+        if resolved.returncode:
+            parser.error(f"--rev {args.rev}: not a commit")
+        rev = resolved.stdout.strip()
+    print(f"planting into {f'commit {rev}' if rev else 'the working tree'}")
     rows = [("mutant", "result", "seconds", "caught by / detail")]
     for m in mutants:
         print(f"{m.name} ...", end=" ", flush=True)
-        outcome = run_mutant(m, args.rev, args.timeout, shlex.split(args.tests) if args.tests else None)
+        outcome = run_mutant(m, rev, args.timeout, shlex.split(args.tests) if args.tests else None)
         print(f"{outcome.result} ({outcome.seconds:.0f} s)", flush=True)
         rows.append((m.name, outcome.result, f"{outcome.seconds:.0f}", outcome.detail.replace("\n", " ")))
     print()
