@@ -19,7 +19,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specdec.cli import read_prompts
+from specdec.data.sources import read_prompts
+from specdec.models.gguf_import import default_checkpoint
+from specdec.models.tokenizer import Tokenizer
 from specdec.serve.bench import LoadSettings, plot_load, print_table, run_load, run_load_apart
 
 DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "identical_greedy.jsonl"
@@ -28,7 +30,8 @@ DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "identical_greedy.jsonl"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server; without it one is started in-process")
-    parser.add_argument("--target", type=Path, help="checkpoint of the in-process server [default: the embedded 270M]")
+    parser.add_argument("--target", type=Path,
+                        help="checkpoint of the in-process server, whose tokenizer reads the prompts [default: the embedded 270M]")
     parser.add_argument("--engine", default="torch")
     parser.add_argument("--max-num-seqs", type=int, help="rows of the in-process server [default: the largest concurrency]")
     parser.add_argument("--speculative-config", help="the in-process server's, as `specdec serve` takes it")
@@ -59,7 +62,9 @@ def main() -> None:
         url = server.start()
         print(f"server at {url}", flush=True)
     try:
-        settings = LoadSettings(url=url.rstrip("/"), prompts=read_prompts(args.prompts), concurrencies=concurrencies,
+        tokenizer = server.tokenizer if server else Tokenizer.from_dir(args.target or default_checkpoint())
+        prompts = read_prompts(args.prompts, tokenizer)
+        settings = LoadSettings(url=url.rstrip("/"), prompts=prompts, concurrencies=concurrencies,
                                 requests_per_client=args.requests_per_client, max_tokens=args.max_tokens,
                                 temperature=args.temperature)
         record = run_load(settings) if server is None else run_load_apart(settings)

@@ -87,7 +87,7 @@ def plot_timings(record: dict, path: Path) -> None:
 
 def main() -> int:
     import specdec
-    from specdec.cli import read_prompts
+    from specdec.data.sources import read_prompts
     from specdec.serve.app import device_name
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -107,13 +107,13 @@ def main() -> int:
     if not set(args.narrow_cycles.split(",")) <= {"on", "off"}:
         parser.error(f"--narrow-cycles takes on, off or on,off, not {args.narrow_cycles!r}")
     spec = SpeculativeConfig.from_json(args.speculative_config)
-    texts = read_prompts(args.prompts)
     rows, device = [], None
     for engine_name in args.engines.split(","):
         for batch in args.rows:
             target = specdec.load(args.target, engine=engine_name, k_max=max(spec.k, 1), batch=batch,
                                   compile=True)  # as a server loads it
             device = device_name(target)
+            texts = read_prompts(args.prompts, target.tokenizer)
             if engine_name == "torch":
                 target.engine.warm_up_prefill()
             prompts = [target.tokenizer.encode(texts[i % len(texts)]) for i in range(args.requests)]

@@ -127,16 +127,23 @@ def check_settings(settings: BenchSettings) -> None:
         require("transformers", "the transformers peer (--no-peer skips it)")
 
 
-def load_prompts(settings: BenchSettings) -> list[str]:
-    from specdec.cli import read_prompts
+def load_prompts(settings: BenchSettings, tokenizer=None) -> list[str]:
+    """The prompts as text. A prompt file's rows are read as every command reads them (specdec.data.sources), with
+    `tokenizer` [default: the target's] for its conversations and text rows."""
+    from specdec.data.sources import read_prompts
 
+    if settings.dataset is not None:
+        return dataset_prompts(settings.dataset, settings.field)[: settings.num_prompts]
+    if tokenizer is None:
+        from specdec.api import resolve_checkpoint
+        from specdec.models.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(resolve_checkpoint(settings.target))
     if settings.prompts_file is not None:
-        texts = read_prompts(settings.prompts_file)
-    elif settings.dataset is not None:
-        texts = dataset_prompts(settings.dataset, settings.field)
+        texts = read_prompts(settings.prompts_file, tokenizer)
     else:
         with resources.as_file(resources.files("specdec") / "prompts" / "bench.jsonl") as path:
-            texts = read_prompts(path)
+            texts = read_prompts(path, tokenizer)
     return texts[: settings.num_prompts]
 
 
@@ -235,11 +242,11 @@ def bench_job(settings: BenchSettings, on_cuda: bool) -> dict:
     from specdec.models.config import decode_width
     from specdec.models.tokenizer import Tokenizer
 
-    texts = load_prompts(settings)
     max_new_tokens = settings.max_new_tokens or (128 if on_cuda else 32)
     k_max = settings.engine_k_max
     path = resolve_checkpoint(settings.target)
     tokenizer = Tokenizer.from_dir(path)
+    texts = load_prompts(settings, tokenizer)
     prompt_ids = [tokenizer.encode(text) for text in texts]
     return {"checkpoint": str(path), "dtype": "bfloat16" if on_cuda else "float32", "k_max": k_max,
             "context": max(len(ids) for ids in prompt_ids) + max_new_tokens + 2 * decode_width(k_max),

@@ -141,7 +141,7 @@ def validate(
     target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
     engine: str = typer.Option("torch", help="torch | jax | all"),
     prompt: str = typer.Option("def fibonacci(n):", help="completion prompt the model gates decode from"),
-    prompts: Optional[Path] = typer.Option(None, help="run every gate per prompt: JSONL with a 'prompt' field, or text with one prompt per line"),
+    prompts: Optional[Path] = typer.Option(None, help="run every gate per prompt: a prompt file, JSONL rows with conversations, messages, text or prompt, or text with one prompt a line"),
     tokens: Optional[int] = typer.Option(None, help="tokens per decode [default: 640 on CUDA (past the sliding-window ring wrap), 48 on CPU]"),
     k_max: int = typer.Option(8, help="greedy and self-draft gates run K = 1 .. k_max"),
     drafter: str = typer.Option("ngram", help="the greedy gates' drafter: ngram | eagle3=DIR | model=DIR | mtp=DIR (these three also gate their sampled drafts end to end)"),
@@ -162,6 +162,7 @@ def validate(
 
     from specdec import gates
     from specdec.api import DRAFTER_DIRS, DrafterSource, resolve_checkpoint
+    from specdec.data.sources import read_prompts
     from specdec.evidence import git_commit, now_utc
     from specdec.models.tokenizer import Tokenizer
     from specdec.progress import LoggedProgress
@@ -177,11 +178,11 @@ def validate(
     check_text(prompt, "--prompt")
     check_output_file(evidence, "--evidence")  # before the gates, whose record it keeps
     engines = ["torch", "jax"] if engine == "all" else [engine]
-    texts = read_prompts(prompts) if prompts is not None else [prompt]
     on_cuda = _cuda_available() if device is None else device.startswith("cuda")
     tokens = tokens if tokens is not None else (640 if on_cuda else 48)
     path = resolve_checkpoint(target)
     tokenizer = Tokenizer.from_dir(path)
+    texts = read_prompts(prompts, tokenizer) if prompts is not None else [prompt]
     prompt_ids = [tokenizer.encode(text) for text in texts]
     context = max(len(ids) for ids in prompt_ids) + tokens + 2 * (k_max + 8)
     if not invariant:
@@ -269,30 +270,6 @@ def check_output_file(path: Path, flag: str, makes_parents: bool = False) -> Non
         raise SpecdecError(f"{flag} {path}: {above} is not writable")
 
 
-def read_prompts(path: Path) -> list[str]:
-    """Prompts from JSONL (a 'prompt' field per line) or from text (one prompt per line)."""
-    import json
-
-    try:
-        lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecdecError(f"{path}: cannot read prompts ({e})") from None
-    if not lines:
-        raise SpecdecError(f"{path}: no prompts")
-    if not lines[0][1].lstrip().startswith("{"):
-        return [line for _, line in lines]
-    texts = []
-    for n, line in lines:
-        try:
-            text = json.loads(line)["prompt"]
-        except (ValueError, KeyError, TypeError):
-            raise SpecdecError(f"{path}:{n}: not a JSON object with a 'prompt' field") from None
-        if not isinstance(text, str) or not text:
-            raise SpecdecError(f"{path}:{n}: 'prompt' must be a non-empty string")
-        texts.append(text)
-    return texts
-
-
 def _print_gate_tables(texts: list[str], results) -> None:
     """Failures in full, then one row per prompt: passed gates per engine, and the verdict."""
     from rich.table import Table
@@ -362,7 +339,7 @@ def bench(
     k: str = typer.Option("2,4,8", "--k", help="draft lengths K of the n-gram runs, comma-separated (plain decoding always runs)"),
     k_max: Optional[int] = typer.Option(None, help="the engines' largest K, which sets their decode width [default: the largest --k]"),
     max_new_tokens: Optional[int] = typer.Option(None, help="tokens per decode [default: 128 on CUDA, 32 on CPU]"),
-    prompts: Optional[Path] = typer.Option(None, help="JSONL with a 'prompt' field, or text with one prompt per line [default: the packaged prompt set]"),
+    prompts: Optional[Path] = typer.Option(None, help="a prompt file: JSONL rows with conversations, messages, text or prompt, or text with one prompt a line [default: the packaged prompt set]"),
     dataset: Optional[str] = typer.Option(None, help="a local Hugging Face dataset: a .jsonl/.json/.csv/.parquet/.txt file, or a directory (save_to_disk)"),
     field: Optional[str] = typer.Option(None, help="the dataset's prompt column [default: 'prompt', else 'text']"),
     num_prompts: Optional[int] = typer.Option(None, help="use the first N prompts"),
@@ -469,7 +446,7 @@ def distill_cmd(
     out: Path = typer.Option(..., help="output directory: a datasets dataset (save_to_disk) and its manifest.json"),
     target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
     corpus: Optional[str] = typer.Option(None, help="builtin: Python sources and /usr/share/doc text on this machine"),
-    prompts: Optional[Path] = typer.Option(None, help="JSONL rows with conversations, messages, text or prompt"),
+    prompts: Optional[Path] = typer.Option(None, help="a prompt file: JSONL rows with conversations, messages, text or prompt, or text with one prompt a line"),
     dataset: Optional[str] = typer.Option(None, help="a local Hugging Face dataset: save_to_disk directory, data file or directory, or a name already cached"),
     split: Optional[str] = typer.Option(None, help="the dataset's split (default: train, else the first)"),
     num_prompts: Optional[int] = typer.Option(None, help="prompts to answer at most (default: all)"),
@@ -491,7 +468,7 @@ def distill_cmd(
     decoding), written as a datasets dataset with a manifest (sources, target hash, settings, skips)."""
     from specdec.data import distill as data
     from specdec.data.corpus import manifest_path
-    from specdec.data.sources import dataset_rows, jsonl_rows
+    from specdec.data.sources import dataset_rows, prompt_file_rows
 
     given = [flag for flag, value in (("--corpus", corpus), ("--prompts", prompts), ("--dataset", dataset)) if value]
     if len(given) != 1:
@@ -514,7 +491,7 @@ def distill_cmd(
         built = build_corpus(max_bytes=int(corpus_mb * 2**20), seed=seed)
         rows, source = ((row["source"], row) for row in built.rows), built.describe()
     elif prompts is not None:
-        rows, source = jsonl_rows(prompts), {"kind": "jsonl", "path": str(prompts.resolve())}
+        rows, source = prompt_file_rows(prompts), {"kind": "jsonl", "path": str(prompts.resolve())}
         if manifest_path(prompts).is_file():  # a corpus `specdec corpus` wrote: keep what it was built from
             source["corpus"] = json.loads(manifest_path(prompts).read_text())
     else:

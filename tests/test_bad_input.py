@@ -229,3 +229,31 @@ def test_a_prompt_that_is_not_utf8_is_named(tmp_path):
     """The shell's bytes b'\\xff\\xfe' reach Python as lone surrogates."""
     line = refused("generate", "\udcff\udcfeab", "--target", tmp_path / "absent")
     assert "the prompt is not UTF-8 text (character 1 is the byte 0xff)" in line
+
+
+# -- one reader of prompt files ------------------------------------------------------------------------------
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_validate_and_bench_read_every_layout_distill_reads(ckpt, tmp_path):
+    from specdec.bench import BenchSettings, load_prompts
+    from specdec.data.sources import read_prompts
+    from specdec.models.tokenizer import Tokenizer
+
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    rows = [{"prompt": "def add(a, b):"}, {"text": "Once upon a time"},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+            {"conversations": [{"from": "human", "value": "Hi"}]}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    chat = "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    expected = ["def add(a, b):", "Once upon a time", chat, chat]
+    assert read_prompts(path, Tokenizer.from_dir(ckpt)) == expected
+    assert load_prompts(BenchSettings(target=ckpt, prompts_file=path)) == expected
+    # validate reads the same way: a row of no layout is named by its line, before any model loads
+    path.write_text('{"prompt": "ok"}\n{"question": "?"}\n')
+    assert "p.jsonl:2: no prompt field (fields: question" in refused("validate", "--target", ckpt, "--prompts", path)

@@ -196,15 +196,19 @@ def test_validate_gates_fp8_weights(ckpt, tmp_path, engine, unit):
 
 
 def test_validate_reads_plain_text_prompts(tmp_path):
-    from specdec.cli import read_prompts
+    from specdec.data.sources import read_prompts
+    from specdec.models.gguf_import import default_checkpoint
+    from specdec.models.tokenizer import Tokenizer
 
     (tmp_path / "p.txt").write_text("first prompt\n\nsecond prompt\n")
-    assert read_prompts(tmp_path / "p.txt") == ["first prompt", "second prompt"]
+    tokenizer = Tokenizer.from_dir(default_checkpoint())
+    assert read_prompts(tmp_path / "p.txt", tokenizer) == ["first prompt", "second prompt"]
 
 
 @pytest.mark.parametrize("content,needle", [
-    ('{"prompt": "ok"}\n{"text": "no prompt field"}\n', "p.jsonl:2: not a JSON object with a 'prompt' field"),
-    ('{"prompt": ""}\n', "p.jsonl:1: 'prompt' must be a non-empty string"),
+    ('{"prompt": "ok"}\n{"name": "no prompt field"}\n', "p.jsonl:2: no prompt field (fields: name;"),
+    ('{"prompt": ""}\n', "p.jsonl:1: empty prompt"),
+    ('{"prompt": "ok"}\nnot json\n', "p.jsonl:2: not a JSON object"),
     ("\n\n", "p.jsonl: no prompts"),
 ])
 def test_validate_bad_prompts_file(ckpt, tmp_path, content, needle):

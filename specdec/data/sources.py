@@ -1,5 +1,6 @@
-"""Prompt sources for self-distillation: rows from a JSONL file, a local Hugging Face dataset or the built-in
-corpus (specdec.data.corpus), turned into the token ids the target continues.
+"""Prompt sources: rows from a prompt file (JSONL, or text with one prompt a line), a local Hugging Face dataset or the
+built-in corpus (specdec.data.corpus), turned into the text and token ids the target continues. Every command that
+takes prompts reads them here: distill, validate and bench.
 
 Row layouts, the first that a row has wins:
   conversations  ShareGPT: [{"from": "human"|"gpt"|"system", "value": ...}]
@@ -26,6 +27,7 @@ from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Tokenizer
 
 LAYOUTS = ("conversations", "messages", "text", "prompt")
+PROMPT_TOKENS = 128  # of a text row, as its prompt (distill --prompt-tokens)
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
          "chatgpt": "assistant", "system": "system"}
 DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -51,10 +53,40 @@ class SkipRow(Exception):
 
 def jsonl_rows(path: Path) -> Iterator[Row]:
     """One JSON object a line; blank lines are skipped."""
+    return _json_rows(path, _lines(path))
+
+
+def prompt_file_rows(path: Path) -> Iterator[Row]:
+    """The rows of a prompt file: JSONL when its first line is a JSON object, else text with one prompt a line
+    (a row {"prompt": line} each); blank lines are skipped."""
+    lines = _lines(path)
+    first = next((line for line in lines if line.strip()), None)
+    if first is None:
+        raise SpecdecError(f"{path}: no prompts")
+    if first.lstrip().startswith("{"):
+        return _json_rows(path, lines)
+    return ((f"{path}:{n}", {"prompt": line}) for n, line in enumerate(lines, 1) if line.strip())
+
+
+def read_prompts(path: Path, tokenizer: Tokenizer, prompt_tokens: int = PROMPT_TOKENS) -> list[str]:
+    """Every row's prompt text (row_text) of a prompt file; a row that makes none is an error naming its line."""
+    texts = []
+    for source, row in prompt_file_rows(path):
+        try:
+            texts.append(row_text(row, tokenizer, prompt_tokens))
+        except (SkipRow, SpecdecError) as e:
+            raise SpecdecError(f"{source}: {e}") from None
+    return texts
+
+
+def _lines(path: Path) -> list[str]:
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        return Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise SpecdecError(f"{path}: cannot read prompts ({e.strerror if isinstance(e, OSError) else e})") from None
+
+
+def _json_rows(path: Path, lines: list[str]) -> Iterator[Row]:
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -116,6 +148,11 @@ def _offline_datasets():
 
 def row_prompt(row: dict, tokenizer: Tokenizer, prompt_tokens: int) -> list[int]:
     """The prompt's token ids of one row (module docstring); SkipRow when the row makes none."""
+    return tokenizer.encode(row_text(row, tokenizer, prompt_tokens))  # a rendered template's BOS is kept, not doubled
+
+
+def row_text(row: dict, tokenizer: Tokenizer, prompt_tokens: int) -> str:
+    """The prompt of one row as the text the target continues (module docstring); SkipRow when the row makes none."""
     layout = next((name for name in LAYOUTS if row.get(name) is not None), None)
     if layout is None:
         raise SpecdecError(f"no prompt field (fields: {', '.join(row) or 'none'}; "
@@ -126,17 +163,16 @@ def row_prompt(row: dict, tokenizer: Tokenizer, prompt_tokens: int) -> list[int]
             raise SkipRow("a conversation, and the target has no chat template")
         messages = conversation_prompt(value, sharegpt=layout == "conversations")
         try:
-            text = tokenizer.apply_chat_template(messages)
+            return tokenizer.apply_chat_template(messages)
         except SpecdecError as e:  # e.g. a template that wants user/assistant turns to alternate
             raise SkipRow(str(e)) from None
-        return tokenizer.encode(text, add_bos=False)  # the template writes the BOS
     if not isinstance(value, str):
         raise SkipRow(f"{layout!r} is not a string")
     if layout == "text":
         value = text_prompt(value, tokenizer, prompt_tokens)
     if not value.strip():
         raise SkipRow("empty prompt")
-    return tokenizer.encode(value)
+    return value
 
 
 def conversation_prompt(turns, sharegpt: bool) -> list[dict]:

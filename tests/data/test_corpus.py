@@ -176,8 +176,6 @@ def test_cli_writes_a_corpus_that_distill_reads(tmp_path):
 
 
 def test_cli_holds_out_files_as_bench_prompts(tmp_path):
-    from specdec.cli import read_prompts
-
     sources = fake_sources(tmp_path)
     out = tmp_path / "corpus.jsonl"
     args = ["corpus", "--no-builtin", "--source", f"{sources[0].root}:code", "--source", f"{sources[1].root}:prose",
@@ -186,7 +184,7 @@ def test_cli_holds_out_files_as_bench_prompts(tmp_path):
     assert result.exit_code == 0, result.stderr
     assert heldout_path(out) == tmp_path / "corpus.heldout.jsonl" and "held out 2 files" in result.stderr
     built = build_corpus([parse_source(a) for a in args[3:6:2]], max_bytes=1 << 20, heldout=2)
-    assert read_prompts(heldout_path(out)) == [p["prompt"] for p in built.heldout]
+    assert [row["prompt"] for _, row in jsonl_rows(heldout_path(out))] == [p["prompt"] for p in built.heldout]
     assert json.loads((tmp_path / "corpus.manifest.json").read_text())["heldout_files"] == 2
     assert _files([r for _, r in jsonl_rows(out)]).isdisjoint(_files(built.heldout))
 
