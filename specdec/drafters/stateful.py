@@ -4,20 +4,31 @@ assistant's last hidden state), seen from the host.
 Each such drafter is a *device state* per framework, which the fused cycles run inside their compiled cycle
 (torch's FusedCycle captures `draft` and `observe` in its CUDA graph; JAX's decode_step carries the state):
 
-  torch: begin(prompts, prompt_hidden); draft() -> (tokens [B, k], draft_len [B], probs [B, k, V] | None);
+  torch: begin(prompts, prompt_hidden); begin_row(row, prompt, prompt_hidden[row]);
+         draft() -> (tokens [B, k], draft_len [B], probs [B, k, V] | None);
          observe(hidden, emitted [B, k+1], count [B], start [B]); state() -> tensors a cycle advances;
-         generator (a torch.Generator when it samples, else None)
-  jax:   params, cache_key; begin(target_params, prompts, prompt_hidden) -> state;
+         sampling; generator (a torch.Generator when it samples, else None)
+  jax:   params, cache_key, sampling; init_state() -> a state of no request;
+         begin(target_params, prompts, prompt_hidden) -> state;
+         begin_rows(target_params, state, {row: prompt}, prompt_hidden) -> state;
          draft(target_params, params, state, target_cache) -> (tokens, draft_len, probs | None, state);
          observe(params, state, hidden, emitted, count, start) -> state;
          host_draft(target_params, target_cache) / host_observe(...) over a state kept on the object
+
+`begin` starts every row; `begin_row` / `begin_rows` start a server's newly admitted rows (the cycles' `admit`) and
+leave every other row's state as it is: its cache rows (but for what lies past a row's context, as pads a JAX model
+drafter's prefill runs there, overwritten before anything reads them), features, tokens and counts. `prompt_hidden` is
+the verifier's `prefill_hidden` (per row, the hidden states of its `hidden_layers` at the committed prompt positions),
+which `prefill` and `prefill_row`/`prefill_rows` leave.
 
 `observe` follows a verify from positions `start` (the committed lengths before it) whose first `count`
 rows were kept (accepted drafts + 1; 0: the row did not advance); `hidden` are the verify's hidden states
 of the verifier's `hidden_layers`. StatefulDrafter drives the same functions from the host loop
 (specdec.generate.HostCycle), so host and fused cycles draft alike. A sampling drafter draws from a random
 stream of its own, seeded by `draft_seed` apart from the acceptance rule's (torch: its generator; JAX: a key in
-its state, `next_draft_keys`): host and fused cycles then draw the same numbers.
+its state, `next_draft_keys`): host and fused cycles then draw the same numbers. That stream is the batch's, so a
+server, whose rows carry their own settings and seeds, drafts greedily (SamplingParams()): argmax drafts with no
+probabilities, which every row's acceptance takes as a point mass, lossless for sampled rows too.
 """
 
 from __future__ import annotations
@@ -85,6 +96,7 @@ class StatefulDrafter:
     """specdec.protocol.Drafter (and DeviceDrafter) over a device state built for one verifier and k."""
 
     needs_hidden = False  # whether observe needs the verifier's hidden states
+    stateful = True  # specdec.protocol.DeviceDrafter: its device function is a state over every row
 
     def __init__(self, device, verifier, k: int, vocab_size: int, name: str):
         self.device, self.verifier, self.k, self.vocab_size, self.name = device, verifier, k, vocab_size, name

@@ -916,12 +916,15 @@ class JaxFusedCycle:
               sampling: SamplingParams = SamplingParams()) -> None:
         """Start a request in one row while the other rows keep theirs, with its budget, settings and seed (None:
         0); each row is then accepted by its own settings (RowSampling). The prompt is checked now and prefilled
-        before the next call, in the same forwards as every row admitted since (the engine's prefill_rows). With a
-        stateless drafter only: a stateful drafter's state spans the batch. With several cycles a call, a request
-        joins between calls; the device stops its row at its budget, and a row the host stops (EOS, a stop
-        string) decodes on to its call's end, its tokens there the caller's to drop."""
-        if _stateful(self.draft_fn):
-            raise SpecdecError("rows are admitted only into cycles with a stateless drafter")
+        before the next call, in the same forwards as every row admitted since (the engine's prefill_rows), and a
+        stateful drafter's state starts those rows from them (`begin_rows`). Such a drafter must be greedy
+        (SamplingParams()): its drafts are then a point mass for every row's rule, where a sampling drafter's key
+        is the batch's. With several cycles a call, a request joins between calls; the device stops its row at its
+        budget, and a row the host stops (EOS, a stop string) decodes on to its call's end, its tokens there the
+        caller's to drop."""
+        if _stateful(self.draft_fn) and not self.draft_fn.sampling.greedy:
+            raise SpecdecError("rows are admitted one by one only beside a greedy drafter (SamplingParams()): a "
+                               "sampling drafter draws from one random key for the whole batch")
         if self._in_flight is not None or self._ready:
             raise SpecdecError("a row is admitted while cycles that ran over the rows as they were wait to be handed "
                                "out: collect them first")
@@ -950,25 +953,32 @@ class JaxFusedCycle:
         return self._ready.pop() if self._ready else None
 
     def _start_serving(self) -> None:
-        """Once: the state rows are admitted into, every row done until admitted, a budget per row."""
+        """Once: the state rows are admitted into, every row done until admitted, a budget per row, a stateful
+        drafter's state of no request."""
         if self._rows is None:
             engine = self.verifier
             batch = engine.batch
             self._rows = [SamplingParams()] * batch
             self._budget = np.zeros(batch, np.int32)
-            self._set_state(engine._decode_state([[engine.cfg.pad_token_id]] * batch, SamplingParams(), True, {}))
+            drafter = self.draft_fn.init_state() if _stateful(self.draft_fn) else {}
+            self._set_state(engine._decode_state([[engine.cfg.pad_token_id]] * batch, SamplingParams(), True, drafter))
 
     def _set_state(self, state: DecodeState) -> None:
         self.state = state
         self.verifier.cache, self.verifier.lengths = state.cache, state.length
 
     def _prefill_admitted(self) -> None:
-        """Prefill the rows admitted since the last call, together, and start them in the state."""
+        """Prefill the rows admitted since the last call, together, and start them in the state (a stateful
+        drafter's too, from the hidden states their prefill leaves)."""
         if not self._admitting:
             return
         engine = self.verifier
-        engine.prefill_rows({row: prompt for row, (prompt, _) in self._admitting.items()})
+        prompts = {row: prompt for row, (prompt, _) in self._admitting.items()}
+        engine.prefill_rows(prompts)
         state = self.state._replace(cache=engine.cache, length=engine.lengths)
+        if _stateful(self.draft_fn):
+            state = state._replace(drafter=self.draft_fn.begin_rows(engine.params, state.drafter, prompts,
+                                                                    engine.prefill_hidden))
         for row, (prompt, seeds) in self._admitting.items():
             tokens = np.zeros(state.tokens.shape[1], np.int32)
             tokens[: len(prompt)] = prompt

@@ -558,6 +558,10 @@ class FusedCycle:
     decides feeds the next cycle: budgets are on the device, and a row's tokens past its end are dropped). The
     cycle run after the last one read is wasted; `drain` waits for it. A server decides per step, and reads the
     cycle in flight (`collect`) before it admits or loads a row: that cycle ran over the rows as they were.
+    A stateful drafter starts an admitted row alone too (`begin_row`), from the hidden states the row's prefill
+    leaves; it must be greedy (SamplingParams()), its drafts a point mass for every row's rule, since a sampling
+    drafter's random stream is the batch's. A retired row rides along, drafting from its state as it was; its
+    drafts and results are junk that no other row reads.
 
     `widths` (a server's, stateless drafters only): a cycle runs over the first w rows alone, w the narrowest of
     them that holds every row admitted and not retired, as vLLM captures a graph per batch size. A lone request
@@ -631,12 +635,15 @@ class FusedCycle:
     def admit(self, row: int, prompt: list[int], max_new_tokens: int,
               sampling: SamplingParams = SamplingParams()) -> None:
         """Start a request in one row while the other rows keep theirs (continuous batching): prefill it alone,
-        load its prompt into the row's token buffer, set its sampling settings and seed (None: 0). Stateless
-        drafters only: a stateful drafter's state spans the batch."""
-        if self.drafter is not None:
-            raise SpecdecError("rows are admitted one by one only into cycles with a stateless drafter")
+        start a stateful drafter's row from it, load its prompt into the row's token buffer, set its sampling
+        settings and seed (None: 0)."""
+        if self.drafter is not None and not self.drafter.sampling.greedy:
+            raise SpecdecError("rows are admitted one by one only beside a greedy drafter (SamplingParams()): a "
+                               "sampling drafter draws from one random stream for the whole batch")
         self._refuse_in_flight("admitted")
         self.verifier.prefill_row(row, prompt)
+        if self.drafter is not None:
+            self.drafter.begin_row(row, prompt, self.verifier.prefill_hidden[row])
         self.load_row(row, prompt)
         self.limit[row] = len(prompt) + max_new_tokens  # it advances while its context is shorter
         self._set_sampling(row, sampling, sampling.seed or 0)
