@@ -340,9 +340,11 @@ class Monitor:
 
             from specdec.progress import LoggedProgress
 
+            console = console or Console(stderr=True)
+            if resumed:
+                console.print(f"resuming from step {start} of {total} ({out})", highlight=False, soft_wrap=True)
             self.bar = LoggedProgress(TextColumn("eagle3"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                      TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
-                                      console=console or Console(stderr=True))
+                                      TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=console)
             self.bar.start()
             self.task = self.bar.add_task("train", total=total, completed=start, stats="compiling")
         if cfg.wandb_project:

@@ -179,7 +179,7 @@ def test_a_killed_run_resumes_to_the_same_parameters(target, online_data, tmp_pa
                            "--stop-after", "6"], capture_output=True, text=True, env=subprocess_env(), cwd=tmp_path,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "step 6/30" in proc.stderr
+    assert "resuming from step 3 of 30" in proc.stderr and "step 6/30" in proc.stderr
 
     a, b = read_checkpoint(Path(straight.out) / "checkpoints" / "step_00000006"), read_checkpoint(killed.out)
     assert b.step == 6 and b.data_position == 6 * 8
