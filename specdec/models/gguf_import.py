@@ -65,8 +65,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
     GGUF. It is built beside the directory and moved into place (specdec.output_dir): an earlier import there is
     replaced, a directory holding other files refused before any work unless `overwrite`, which keeps them."""
     gguf_path = Path(gguf_path)
+    output = OutputDir(out_dir, IMPORT_WRITES, "import-gguf", "importing", overwrite)  # before reading takes ~10 s
     reader = _open(gguf_path)
-    output = OutputDir(out_dir, IMPORT_WRITES, "import-gguf", "importing", overwrite)
     config = config_from_gguf(reader, str(gguf_path))
     cfg = GemmaConfig.from_dict(config, str(gguf_path))
     shapes = expected_shapes(cfg)
