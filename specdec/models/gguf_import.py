@@ -122,7 +122,7 @@ def default_checkpoint() -> Path:
         _console().print(f"[bold]specdec[/]: importing Gemma 3 270M into {target} (once)")
         with tempfile.TemporaryDirectory(prefix=f".{DEFAULT_MODEL_DIR}.gguf-", dir=target.parent) as tmp:
             gguf_path = bundled.assemble(Path(tmp) / bundled.MODEL_NAME)
-            return import_gguf(gguf_path, target)
+            return import_gguf(gguf_path, target, overwrite=True)  # specdec's own cache: files of others stay
 
 
 def cache_dir() -> Path:
