@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from specdec.drafters.registry import DrafterSource
 from specdec.errors import SpecdecError
 from specdec.generate import Generation, HostCycle, StopCondition, check_context, run_cycles
+from specdec.models.gguf_import import resolve_checkpoint
 from specdec.models.config import GemmaConfig, decode_width, with_parts_xla_flags
 from specdec.models.tokenizer import Tokenizer
 from specdec.protocol import DEFAULT_DRAFTS
@@ -19,9 +20,6 @@ from specdec.sampling import SamplingParams
 
 ENGINES = ("torch", "jax")
 DTYPES = ("float32", "bfloat16", "float16")  # what both engines compute in
-DRAFTERS = ("ngram", "none", "eagle3=DIR", "model=DIR", "mtp=DIR")
-DRAFTER_DIRS = {"eagle3": "the head's directory", "model": "the drafter checkpoint's directory",
-                "mtp": "the assistant checkpoint's directory"}
 
 
 @dataclass
@@ -48,18 +46,6 @@ class Target:
         them in a thread (JaxEngine.from_checkpoint's background)."""
         ready = getattr(self.engine, "weights_ready_at", None)
         return self.load_started + self.load_s if ready is None else max(ready, self.load_started + self.load_s)
-
-
-def resolve_checkpoint(path: str | Path | None) -> Path:
-    """A checkpoint directory, or the embedded default (the real Gemma 3 270M, imported once)."""
-    if path is None:
-        from specdec.models.gguf_import import default_checkpoint
-
-        return default_checkpoint()
-    path = Path(path)
-    if not path.is_dir():
-        raise SpecdecError(f"{path}: not a checkpoint directory")
-    return path
 
 
 def load(
@@ -142,7 +128,7 @@ def load(
 
 def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant, compile,
                  tensor_parallel=1, tp_parts=None, fp8=False, graph_prefill=False):
-    from specdec import compile_cache
+    import specdec.compile_cache as compile_cache
 
     if tensor_parallel < 1:
         raise SpecdecError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
@@ -256,7 +242,8 @@ def _torch_tp_group(tensor_parallel: int):
     return dist.group.WORLD
 
 
-def make_cycle(target: Target, drafter: str, k: int, sampling: SamplingParams, fused: bool | None = None):
+def make_cycle(target: Target, drafter: str | DrafterSource, k: int, sampling: SamplingParams,
+               fused: bool | None = None):
     """The cycle a generation runs, greedy or sampled. Fused (the default where it pays): the drafter runs
     on the device and the whole draft -> verify -> accept cycle is one CUDA graph replay (torch on CUDA),
     or 8 cycles are one compiled call (JAX); plain decoding is the same cycle with k = 0. Otherwise driven from the host
@@ -286,7 +273,7 @@ class WarmUp:
     the persistent caches' hits and misses). The run timed next then measures decoding alone."""
 
     def __init__(self, cycle, engine_name: str = "torch"):
-        from specdec import compile_cache
+        import specdec.compile_cache as compile_cache
 
         self.cycle, self.started = cycle, None
         self._watch = compile_cache.watch(engine_name)  # counts the compiling threads' events too
@@ -309,120 +296,26 @@ def warm_up(cycle, prompts: list[list[int]], k: int, engine_name: str = "torch")
     return WarmUp(cycle, engine_name).finish(prompts, k)
 
 
-def parse_drafter(spec: str) -> tuple[str, Path | None]:
-    """"ngram", "none", "eagle3=DIR", "model=DIR" or "mtp=DIR" -> (kind, the drafter's directory)."""
-    kind, _, path = spec.partition("=")
-    if kind in DRAFTER_DIRS:
-        if not path:
-            raise SpecdecError(f"--drafter {kind} needs {DRAFTER_DIRS[kind]}: {kind}=DIR")
-        if not Path(path).is_dir():
-            raise SpecdecError(f"{path}: not a directory ({kind} drafter)")
-        return kind, Path(path)
-    if spec not in DRAFTERS:
-        raise SpecdecError(f"unknown drafter {spec!r} (choose from {', '.join(DRAFTERS)})")
-    return kind, None
+def drafter_source(spec: str | DrafterSource, target: str | Path | None = None) -> DrafterSource:
+    """The drafter a spec names for a target checkpoint; a DrafterSource (opened once for many runs) as it is."""
+    return spec if isinstance(spec, DrafterSource) else DrafterSource(spec, target)
 
 
-class DrafterSource:
-    """The drafter a spec names, for one target checkpoint: its files read once (and checked against the
-    target: an EAGLE-3 head's fingerprint, a model's vocabulary and tokenizer, an assistant's shapes), then
-    built for any verifier of that target with `build(verifier, k, sampling)` (None for "none")."""
-
-    def __init__(self, spec: str, target_path: str | Path | None = None):
-        self.kind, self.path = parse_drafter(spec)
-        self.target_path = resolve_checkpoint(target_path) if self.kind in DRAFTER_DIRS else None
-        self._loaded: dict = {}
-        self._engines = weakref.WeakKeyDictionary()  # verifier -> the model drafter's engine beside it
-
-    def _once(self, key, load):
-        if key not in self._loaded:
-            self._loaded[key] = load()
-        return self._loaded[key]
-
-    @property
-    def target_config(self) -> GemmaConfig:
-        return self._once("target_config", lambda: GemmaConfig.from_file(self.target_path / "config.json"))
-
-    @property
-    def taps(self) -> tuple[int, ...]:
-        """The target layers whose hidden states the drafter reads (load the target with them)."""
-        if self.kind == "eagle3":
-            return self.head.cfg.taps
-        if self.kind == "mtp":
-            from specdec.drafters.mtp import mtp_taps
-
-            return mtp_taps(self.target_config)
-        return ()
-
-    @property
-    def head(self):
-        from specdec.drafters.eagle3 import load_for_target
-        from specdec.models.checkpoint import checkpoint_fingerprint
-
-        return self._once("head", lambda: load_for_target(self.path, self.target_config,
-                                                          checkpoint_fingerprint(self.target_path)))
-
-    @property
-    def assistant(self):
-        from specdec.drafters.mtp import load_assistant
-
-        def load():
-            assistant = load_assistant(self.path)
-            assistant.check_target(self.target_config, str(self.path))
-            return assistant
-
-        return self._once("assistant", load)
-
-    def build(self, verifier, k: int, sampling: SamplingParams = SamplingParams()):
-        if self.kind == "none":
-            return None
-        if self.kind == "ngram":
-            from specdec.drafters.ngram import NgramDrafter
-
-            return NgramDrafter()
-        if tuple(verifier.hidden_layers) != self.taps:
-            raise SpecdecError(f"{self.path}: the target was loaded without the drafter's hidden layers {list(self.taps)}"
-                               " (load it with hidden_layers=specdec.api.DrafterSource(spec, target).taps)")
-        if self.kind == "eagle3":
-            from specdec.drafters.eagle3 import Eagle3Drafter
-
-            return Eagle3Drafter(self.head, verifier, k, sampling)
-        if self.kind == "mtp":
-            from specdec.drafters.mtp import MtpDrafter
-
-            return MtpDrafter(self.assistant, verifier, k, sampling)
-        from specdec.drafters.model import ModelDrafter, check_same_tokenizer, drafter_engine, load_source
-
-        self._once("tokenizer", lambda: check_same_tokenizer(self.path, self.target_path))
-        weights = self._once(("model", _framework_key(verifier)), lambda: load_source(self.path, verifier))
-        # one drafter engine per verifier, shared by its drafters of every k (and their compiled programs)
-        if verifier not in self._engines:
-            self._engines[verifier] = drafter_engine(weights, verifier)
-        return ModelDrafter(self._engines[verifier], verifier, k, sampling)
-
-
-def _framework_key(verifier):
-    """Verifiers whose drafter weights can be shared: same framework, dtype and device."""
-    if verifier.framework == "jax":
-        return "jax", str(verifier.params["embed_tokens.weight"].dtype)
-    return "torch", verifier.model.dtype, str(verifier.device)
-
-
-def drafter_taps(spec: str, target: str | Path | None = None) -> tuple[int, ...]:
+def drafter_taps(spec: str | DrafterSource, target: str | Path | None = None) -> tuple[int, ...]:
     """The target layers whose hidden states the drafter reads (load the target with them)."""
-    return DrafterSource(spec, target).taps
+    return drafter_source(spec, target).taps
 
 
-def make_drafter(spec: str, target: Target, k: int = 0, sampling: SamplingParams = SamplingParams()):
-    """The drafter a spec names, built for the target's engine, k and sampling (its engine must return the
-    drafter's taps, see drafter_taps)."""
-    return DrafterSource(spec, target.path).build(target.engine, k, sampling)
+def make_drafter(spec: str | DrafterSource, target: Target, k: int = 0, sampling: SamplingParams = SamplingParams()):
+    """The drafter a spec names (or a DrafterSource opened once for many runs), built for the target's engine, k and
+    sampling (its engine must return the drafter's taps, see drafter_taps)."""
+    return drafter_source(spec, target.path).build(target.engine, k, sampling)
 
 
 def generate(
     prompt: str | Sequence[str],
     target: Target | str | Path | None = None,
-    drafter: str = "ngram",
+    drafter: str | DrafterSource = "ngram",
     k: int = DEFAULT_DRAFTS,
     max_new_tokens: int = 128,
     sampling: SamplingParams = SamplingParams(),

@@ -569,7 +569,7 @@ def gate_sampled_drafter(engine, build, prompt: list[int], k: int = 2,
     """gate_sampled_speculation on the fused cycle a user runs with a stateful drafter (EAGLE-3 head, model,
     MTP assistant): drafts sampled by it, their probabilities handed to the rule. `engine` is a batch engine
     (one row per draw) returning the drafter's taps; `build(engine, k, params)` makes the drafter
-    (specdec.api.DrafterSource.build)."""
+    (specdec.drafters.registry.DrafterSource.build)."""
     drafter = build(engine, k, params)
     if drafter.framework == "jax":
         from specdec.verifiers.jax_engine import JaxFusedCycle as Cycle

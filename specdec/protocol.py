@@ -92,8 +92,24 @@ class Drafter(Protocol):
 DeviceDraftFn = Any
 
 
+class LoadedDrafter(Protocol):
+    """A drafter kind's files, read once and checked against one target (specdec.drafters.registry): what the
+    target must be loaded with, and the drafter built for any verifier of it."""
+
+    taps: tuple[int, ...]  # target layers whose hidden states the drafter reads
+    samples_drafts: bool  # whether a sampled run draws its drafts from the drafter's own distribution
+
+    def build(self, verifier: Verifier, k: int, sampling) -> Drafter:
+        """The drafter for this verifier, proposing up to k tokens a cycle under these sampling settings."""
+        ...
+
+
 @runtime_checkable
 class DeviceDrafter(Drafter, Protocol):
+    # False: the device function drafts from the token buffer alone (n-gram). True: it is a device state
+    # (specdec.drafters.stateful) that the cycle begins, drafts from and updates after each verify, over every row.
+    stateful: bool
+
     def device_draft_fn(self, framework: str, k: int) -> DeviceDraftFn:
         """The drafter as a device function for "torch" or "jax", proposing up to k tokens."""
         ...

@@ -281,7 +281,7 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
     import jax
     import jax.numpy as jnp
 
-    from specdec import compile_cache
+    import specdec.compile_cache as compile_cache
     from specdec.models.jax_gemma import load_params, random_params
     from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle, make_mesh
 

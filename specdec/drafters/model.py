@@ -102,6 +102,37 @@ def check_same_tokenizer(drafter_dir: Path, target_dir: Path) -> None:
         raise SpecdecError(f"drafter {drafter_dir} and target {target_dir} have different tokenizers")
 
 
+def open_drafter(path: Path, target_path: Path) -> "ModelSource":
+    """The registry's entry (specdec.drafters.registry)."""
+    return ModelSource(path, target_path)
+
+
+class ModelSource:
+    """A drafter checkpoint checked against its target's tokenizer (specdec.protocol.LoadedDrafter); its weights
+    are read once per framework, dtype and device, and one drafter engine serves a verifier's drafters of every k
+    (and their compiled programs)."""
+
+    taps = ()
+    samples_drafts = True
+
+    def __init__(self, path: Path, target_path: Path):
+        import weakref
+
+        check_same_tokenizer(path, target_path)
+        self.path = path
+        self._weights: dict = {}
+        self._engines = weakref.WeakKeyDictionary()  # verifier -> the drafter's engine beside it
+
+    def build(self, verifier, k: int, sampling: SamplingParams) -> ModelDrafter:
+        if verifier not in self._engines:
+            key = (("jax", str(verifier.params["embed_tokens.weight"].dtype)) if verifier.framework == "jax"
+                   else ("torch", verifier.model.dtype, str(verifier.device)))
+            if key not in self._weights:
+                self._weights[key] = load_source(self.path, verifier)
+            self._engines[verifier] = drafter_engine(self._weights[key], verifier)
+        return ModelDrafter(self._engines[verifier], verifier, k, sampling)
+
+
 # -- torch ------------------------------------------------------------------------------------------------
 
 

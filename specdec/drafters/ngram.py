@@ -57,6 +57,7 @@ class NgramDrafter:
     row. Deterministic, so a point-mass drafter (no draft probabilities); works on any vocabulary."""
 
     vocab_size = None
+    stateful = False  # its device function reads the token buffer alone
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
         _check_ngram_sizes(min_ngram, max_ngram)
@@ -87,6 +88,28 @@ class NgramDrafter:
         if propose is None:
             raise SpecdecError(f"unknown framework {framework!r}: use 'torch' or 'jax'")
         return partial(propose, k=k, min_ngram=self.min_ngram, max_ngram=self.max_ngram)
+
+
+def open_drafter(path=None, target_path=None, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3):
+    """The registry's entry (specdec.drafters.registry): n-gram sizes as vLLM names them; no files."""
+    sizes = (prompt_lookup_min, prompt_lookup_max)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+        raise SpecdecError(f"prompt_lookup_min and prompt_lookup_max must be integers, got {sizes}")
+    _check_ngram_sizes(*sizes)
+    return NgramSource(*sizes)
+
+
+class NgramSource:
+    """n-gram drafting for any target (specdec.protocol.LoadedDrafter)."""
+
+    taps = ()
+    samples_drafts = False
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3):
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+
+    def build(self, verifier, k: int, sampling) -> NgramDrafter:
+        return NgramDrafter(self.min_ngram, self.max_ngram)
 
 
 def ngram_propose_torch(tokens, lengths, k: int, min_ngram: int = 1, max_ngram: int = 3):

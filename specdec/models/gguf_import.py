@@ -125,6 +125,16 @@ def default_checkpoint() -> Path:
             return import_gguf(gguf_path, target, overwrite=True)  # specdec's own cache: files of others stay
 
 
+def resolve_checkpoint(path: str | Path | None) -> Path:
+    """A checkpoint directory, or the embedded default (the real Gemma 3 270M, imported once)."""
+    if path is None:
+        return default_checkpoint()
+    path = Path(path)
+    if not path.is_dir():
+        raise SpecdecError(f"{path}: not a checkpoint directory")
+    return path
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
 

@@ -94,8 +94,8 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from specdec import compile_cache
-    from specdec.api import resolve_checkpoint
+    import specdec.compile_cache as compile_cache
+    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.drafters.eagle3 import Eagle3Config, build_draft_vocab, default_aux_layer_ids, save_head
     from specdec.models import jax_gemma
     from specdec.models.checkpoint import checkpoint_fingerprint
@@ -265,8 +265,8 @@ def evaluate_head(head_dir: str | Path, data_dir: str | Path, target: str | Path
     import jax
     import jax.numpy as jnp
 
-    from specdec import compile_cache
-    from specdec.api import resolve_checkpoint
+    import specdec.compile_cache as compile_cache
+    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.drafters.eagle3 import load_for_target
     from specdec.models import jax_gemma
     from specdec.models.checkpoint import checkpoint_fingerprint

@@ -281,12 +281,12 @@ def test_assistants_for_another_target_are_refused(tmp_path, random_checkpoints)
     _one_line_error(lambda: assistant.check_target(wide, "a"), "head_dim 32", "layer 5 64")
 
 
-# -- as a drafter: `--drafter mtp=DIR` through specdec.api.DrafterSource -------------------------------------
+# -- as a drafter: `--drafter mtp=DIR` through specdec.drafters.registry.DrafterSource ---------------------
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_mtp_drafter_through_the_api_is_lossless_host_and_fused(framework, assistant_dirs, random_checkpoints):
-    from specdec.api import DrafterSource
+    from specdec.drafters.registry import DrafterSource
 
     target_dir = random_checkpoints["gemma4_e"]
     source = DrafterSource(f"mtp={assistant_dirs[('gemma4_e', True)]}", target_dir)
@@ -305,7 +305,7 @@ def test_mtp_drafter_through_the_api_is_lossless_host_and_fused(framework, assis
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_sampled_mtp_drafts_pass_the_sampling_gate(framework, assistant_dirs, random_checkpoints):
     from specdec import gates
-    from specdec.api import DrafterSource
+    from specdec.drafters.registry import DrafterSource
 
     target_dir = random_checkpoints["gemma4_dense"]
     source = DrafterSource(f"mtp={assistant_dirs[('gemma4_dense', False)]}", target_dir)
@@ -317,7 +317,7 @@ def test_sampled_mtp_drafts_pass_the_sampling_gate(framework, assistant_dirs, ra
 
 
 def test_an_mtp_drafter_needs_the_targets_last_layer(assistant_dirs, random_checkpoints):
-    from specdec.api import DrafterSource
+    from specdec.drafters.registry import DrafterSource
 
     target_dir = random_checkpoints["gemma4_dense"]
     engine = TorchEngine(GemmaModel.from_checkpoint(target_dir, max_seq_len=64), max_seq_len=64, k_max=K)
