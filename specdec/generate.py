@@ -71,6 +71,18 @@ class SpecStats:
         return self.emitted / self.cycles if self.cycles else 0.0
 
     @property
+    def num_drafts(self) -> int:
+        """Row cycles that drafted at least one token (vLLM's spec_decode_num_drafts)."""
+        return self.drafted_at[0] if self.k else 0
+
+    def spec_decode_summary(self) -> dict:
+        """vLLM's spec_decode counters over these cycles, and its mean acceptance length (1 + accepted drafts per
+        cycle that drafted)."""
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.drafted, "num_accepted_tokens": self.accepted,
+                "num_accepted_tokens_per_pos": list(self.accepted_at),
+                "mean_acceptance_length": 1 + self.accepted / self.num_drafts if self.num_drafts else 1.0}
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 

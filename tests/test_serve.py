@@ -70,8 +70,7 @@ def test_models_and_health(served, client):
     assert widths[-1] == 4 and set(widths) <= {1, 2, 4}
     assert health == {"status": "ok", "running": 0, "waiting": 0, "max_num_seqs": 4, "engine": "torch",
                       "device": "cpu", "cycles_per_call": 1,
-                      "speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                                             "prompt_lookup_max": 3}}
+                      "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}
 
 
 def test_completion_whole_and_streamed(client):
@@ -204,9 +203,14 @@ def test_metrics_report_tau_and_acceptance_per_position(served, client):
     cycles, emitted = m[("specdec_verify_cycles_total", ())], m[("specdec_emitted_tokens_total", ())]
     assert cycles > 0 and m[("specdec_tau", ())] == pytest.approx(emitted / cycles) and emitted >= cycles
     drafted = [m[("specdec_drafted_tokens_per_pos_total", (("position", str(i)),))] for i in range(4)]
-    accepted = [m[("specdec_accepted_tokens_per_pos_total", (("position", str(i)),))] for i in range(4)]
+    accepted = [m[("specdec:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+                for i in range(4)]
     rates = [m[("specdec_acceptance_per_pos", (("position", str(i)),))] for i in range(4)]
     assert drafted[0] > 0 and all(a <= d for a, d in zip(accepted, drafted))
+    # vLLM's spec_decode counters: cycles that drafted, their draft tokens, the accepted ones
+    assert m[("specdec:spec_decode_num_drafts_total", ())] == drafted[0]
+    assert m[("specdec:spec_decode_num_draft_tokens_total", ())] == sum(drafted)
+    assert m[("specdec:spec_decode_num_accepted_tokens_total", ())] == sum(accepted)
     assert rates == pytest.approx([a / d if d else 0.0 for a, d in zip(accepted, drafted)])
     assert emitted - cycles == sum(accepted)  # tau - 1 = accepted drafts per cycle
     assert m[("specdec_prompt_tokens_total", ())] > 0 and m[("specdec_generation_tokens_total", ())] > 0

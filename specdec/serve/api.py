@@ -44,6 +44,7 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    spec_decode_stats: bool = False  # specdec's extension: the request's own spec_decode counts in its usage
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
@@ -132,9 +133,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, spec_decode: dict | None = None) -> dict:
+    """OpenAI's usage; with `spec_decode` (a request that asked for it), the request's speculative decoding
+    counts as vLLM names them (SpecStats.spec_decode_summary)."""
+    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+              "total_tokens": prompt_tokens + completion_tokens}
+    return counts if spec_decode is None else {**counts, "spec_decode": spec_decode}
 
 
 class ResponseShape:
@@ -149,13 +153,14 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def whole(self, text: str, finish_reason: str, counts: dict) -> dict:
+        """`counts`: the response's usage (api.usage)."""
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish_reason}
-            return self._body("chat.completion", [choice], usage=usage(prompt_tokens, completion_tokens))
+            return self._body("chat.completion", [choice], usage=counts)
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._body("text_completion", [choice], usage=usage(prompt_tokens, completion_tokens))
+        return self._body("text_completion", [choice], usage=counts)
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
         """A stream chunk: new text (the chat's first chunk also names the role), or the finish reason."""
@@ -168,6 +173,6 @@ class ResponseShape:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return self._body("text_completion", [choice])
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, counts: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._body(obj, [], usage=usage(prompt_tokens, completion_tokens))
+        return self._body(obj, [], usage=counts)

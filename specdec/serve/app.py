@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from contextlib import aclosing
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -29,7 +29,8 @@ from specdec.generate import StopCondition, check_context
 from specdec.models.config import decode_width
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
-from specdec.serve.api import APIError, ChatCompletionRequest, CompletionRequest, ResponseShape, GenerationRequest
+from specdec.serve.api import (APIError, ChatCompletionRequest, CompletionRequest, GenerationRequest, ResponseShape,
+                               usage)
 from specdec.serve.metrics import CONTENT_TYPE, ServerMetrics
 from specdec.serve.scheduler import Request, Scheduler, SpeculativeConfig, Update
 
@@ -77,16 +78,17 @@ class ModelServer:
                                f"(k={config.speculative.k}), got {config.max_model_len}")
         check_can_listen(config.host, config.port)  # before the minutes of loading and warming up
         self.config = config
+        drafter = config.speculative.source(config.target)  # its files checked against the target before loading
         self.target = specdec.load(config.target, engine=config.engine, dtype=config.dtype,
                                    k_max=max(config.speculative.k, 1), max_seq_len=config.max_model_len,
                                    batch=config.max_num_seqs, compile=config.compile, fp8=config.fp8,
-                                   graph_prefill=config.graph_prefill)
+                                   graph_prefill=config.graph_prefill, hidden_layers=drafter.taps)
         self.tokenizer: Tokenizer = self.target.tokenizer
         self.model_name = config.served_model_name or self.target.path.name
         self.device = device_name(self.target)
         self.created = int(time.time())
         self.scheduler = Scheduler(self.target.engine, config.speculative, config.cycles_per_call,
-                                   config.narrow_cycles)
+                                   config.narrow_cycles, drafter)
         self.metrics = ServerMetrics(self.scheduler, ENDPOINTS)
         self.app = create_app(self)
         self._http = None
@@ -255,13 +257,10 @@ class Job:
                                on_update=lambda update: loop.call_soon_threadsafe(self.updates.put_nowait, update))
         self.text = TextStream(tokenizer, stop)
 
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.request.prompt)
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.request.tokens)
+    def usage(self, spec_decode: bool) -> dict:
+        """The request's usage, with its spec_decode counts where it asked for them."""
+        return usage(len(self.request.prompt), len(self.request.tokens),
+                     self.request.stats.spec_decode_summary() if spec_decode else None)
 
     async def deltas(self) -> AsyncIterator[str]:
         self.scheduler.submit(self.request)
@@ -333,7 +332,7 @@ def create_app(server: ModelServer) -> FastAPI:
         return {"status": "ok", "running": s.running, "waiting": s.num_waiting, "max_num_seqs": len(s.rows),
                 "engine": server.config.engine, "device": server.device, "cycles_per_call": s.cycles_per_call,
                 "cycle_widths": list(s.cycle.widths),
-                "speculative_config": asdict(server.config.speculative)}
+                "speculative_config": server.config.speculative.as_json()}
 
     @app.get("/metrics")
     async def metrics():
@@ -353,7 +352,7 @@ async def respond(job: Job, body: GenerationRequest, shape: ResponseShape, http:
     text = await _unless_client_leaves(http, whole_text())
     if text is None:
         return Response(status_code=CLIENT_GONE)
-    return shape.whole(text, job.text.finish_reason, job.prompt_tokens, job.completion_tokens)
+    return shape.whole(text, job.text.finish_reason, job.usage(body.spec_decode_stats))
 
 
 async def _events(job: Job, body: GenerationRequest, shape: ResponseShape) -> AsyncIterator[str]:
@@ -374,7 +373,7 @@ async def _events(job: Job, body: GenerationRequest, shape: ResponseShape) -> As
         return
     yield event(shape.chunk(None if shape.chat else "", job.text.finish_reason))
     if body.include_usage:
-        yield event(shape.usage_chunk(job.prompt_tokens, job.completion_tokens))
+        yield event(shape.usage_chunk(job.usage(body.spec_decode_stats)))
     yield "data: [DONE]\n\n"
 
 

@@ -3,7 +3,8 @@
 Requests are counted by endpoint and HTTP status as responses start. Everything about decoding is read
 from the scheduler when /metrics is scraped: its SpecStats define tau and acceptance (vLLM's definitions:
 tau = tokens emitted per row cycle, accepted + 1; acceptance at draft position i = drafts accepted at i /
-row cycles that drafted at i, cf. vLLM's `spec_decode_num_accepted_tokens_per_pos`).
+row cycles that drafted at i). The spec_decode counters carry vLLM's names (`specdec:spec_decode_num_drafts`
+for `vllm:spec_decode_num_drafts`, and so on).
 """
 
 from __future__ import annotations
@@ -50,12 +51,15 @@ class _SchedulerCollector:
         yield CounterMetricFamily("specdec_emitted_tokens", "tokens the row cycles emitted (accepted drafts + 1)",
                                   value=stats.emitted)
         yield GaugeMetricFamily("specdec_tau", "tokens emitted per row cycle since the start", value=stats.tau)
-        yield CounterMetricFamily("specdec_draft_tokens", "draft tokens proposed", value=stats.drafted)
-        yield CounterMetricFamily("specdec_accepted_tokens", "draft tokens accepted", value=stats.accepted)
+        # vLLM's spec_decode counters, under our prefix: a dashboard for one reads the other
+        yield CounterMetricFamily("specdec:spec_decode_num_drafts", "row cycles that drafted", value=stats.num_drafts)
+        yield CounterMetricFamily("specdec:spec_decode_num_draft_tokens", "draft tokens proposed", value=stats.drafted)
+        yield CounterMetricFamily("specdec:spec_decode_num_accepted_tokens", "draft tokens accepted",
+                                  value=stats.accepted)
+        accepted = CounterMetricFamily("specdec:spec_decode_num_accepted_tokens_per_pos",
+                                       "drafts accepted at a position", labels=["position"])
         drafted = CounterMetricFamily("specdec_drafted_tokens_per_pos", "row cycles that drafted at a position",
                                       labels=["position"])
-        accepted = CounterMetricFamily("specdec_accepted_tokens_per_pos", "drafts accepted at a position",
-                                       labels=["position"])
         rate = GaugeMetricFamily("specdec_acceptance_per_pos", "accepted / drafted at a position since the start",
                                  labels=["position"])
         for i, (d, a, r) in enumerate(zip(stats.drafted_at, stats.accepted_at, stats.per_position_acceptance)):

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters import registry as drafter_registry
 from specdec.errors import SpecdecError
 from specdec.generate import CycleResult, SpecStats, StopCondition
 from specdec.protocol import Verifier
@@ -60,14 +60,15 @@ def widths_label(widths) -> str:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How requests are drafted, as vLLM's `--speculative-config` says it: method "ngram" with
-    `num_speculative_tokens` (k) and `prompt_lookup_min`/`prompt_lookup_max` (n-gram sizes); no method
-    (or "none") is plain decoding, one token per verify."""
+    """How requests are drafted, as vLLM's `--speculative-config` says it: `method` (a drafter kind's
+    vllm_method: ngram, eagle3, draft_model, mtp; None or "none": plain decoding, one token a verify), `model`
+    (the drafter's directory), `num_speculative_tokens` (k), and the method's own keys (ngram's
+    prompt_lookup_min/max) in `options`."""
 
     method: str | None = None
     num_speculative_tokens: int = 0
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
+    model: str | None = None
+    options: tuple[tuple[str, object], ...] = ()
 
     @classmethod
     def from_json(cls, text: str | None) -> "SpeculativeConfig":
@@ -81,26 +82,24 @@ class SpeculativeConfig:
             raise SpecdecError(f"--speculative-config is not JSON ({e}): {text!r}") from None
         if not isinstance(fields, dict):
             raise SpecdecError(f"--speculative-config must be a JSON object, got {text!r}")
-        unknown = set(fields) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise SpecdecError(f"--speculative-config: unknown keys {sorted(unknown)} (known: "
-                               f"{', '.join(cls.__dataclass_fields__)})")
-        method = fields.get("method")
-        if method in (None, "none"):
+        _, k, options = drafter_registry.from_speculative_config(fields)  # checks every key
+        if k == 0:
             return cls()
-        if method != "ngram":
-            raise SpecdecError(f"--speculative-config: unknown method {method!r} (supported: ngram, none)")
-        config = cls(**fields)
-        sizes = (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-        if not all(isinstance(n, int) for n in sizes) or config.num_speculative_tokens < 1:
-            raise SpecdecError("--speculative-config: ngram needs an integer num_speculative_tokens >= 1")
-        if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
-            raise SpecdecError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        return config
+        return cls(fields["method"], k, fields.get("model"), tuple(sorted(options.items())))
 
     @property
     def k(self) -> int:
-        return self.num_speculative_tokens if self.method == "ngram" else 0
+        return self.num_speculative_tokens if self.method not in (None, drafter_registry.NONE) else 0
+
+    def as_json(self) -> dict:
+        """The settings as --speculative-config spells them."""
+        fields = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        return {**fields, **({"model": self.model} if self.model else {}), **dict(self.options)}
+
+    def source(self, target_path=None) -> drafter_registry.DrafterSource:
+        """The drafter, for the target checkpoint a server loads."""
+        spec, _, options = drafter_registry.from_speculative_config(self.as_json()) if self.k else ("none", 0, {})
+        return drafter_registry.DrafterSource(spec, target_path, **options)
 
 
 @dataclass
@@ -121,6 +120,7 @@ class Request:
     stop: StopCondition
     on_update: Callable[[Update], None]
     tokens: list[int] = field(default_factory=list)  # kept so far (stop token included)
+    stats: SpecStats | None = None  # its own cycles' counts, from submission on
     cancelled: bool = False  # set by the client's side: the scheduler drops it at its next iteration
 
     def cancel(self) -> None:
@@ -132,9 +132,11 @@ class Scheduler:
     thread; `stats` (SpecStats over every row cycle) and the counters are read by the metrics."""
 
     def __init__(self, engine: Verifier, speculative: SpeculativeConfig, cycles_per_call: int | None = None,
-                 narrow_cycles: bool = True):
+                 narrow_cycles: bool = True, source: drafter_registry.DrafterSource | None = None):
         """`cycles_per_call` None: JAX_CYCLES_PER_CALL on the JAX engine, 1 on torch. `narrow_cycles` False: every
-        torch cycle runs every row (the widths are not checked or compiled)."""
+        torch cycle runs every row (the widths are not checked or compiled). `source`: the drafter as the server
+        opened it for its target, whose taps the engine returns (None: `speculative.source()`, for drafters that
+        need no target files, as n-gram)."""
         if speculative.k > engine.k_max:
             raise SpecdecError(f"num_speculative_tokens={speculative.k} exceeds the engine's k_max {engine.k_max}")
         self._jax = engine.framework == "jax"
@@ -150,27 +152,30 @@ class Scheduler:
         self.stats = SpecStats(k=self.k)
         self.prompt_tokens = 0
         self.steps = 0  # verify forwards of the whole batch
-        self.cycle = self._fused_cycle()
+        self.cycle = self._fused_cycle(source or speculative.source())
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
 
-    def _fused_cycle(self):
+    def _fused_cycle(self, source: drafter_registry.DrafterSource):
         """The fused cycle over the whole batch, its rows free: torch's FusedCycle (a graph replay a cycle), or a
-        JaxFusedCycle of `cycles_per_call` cycles a call."""
-        spec = self.speculative
+        JaxFusedCycle of `cycles_per_call` cycles a call. The drafter drafts greedily whatever a row samples: its
+        drafts are then a point mass, which the acceptance rule keeps lossless for sampled rows too (as vLLM's
+        EAGLE proposer), and one drafter serves rows of any settings."""
         if not self._jax and self.cycles_per_call != 1:
             raise SpecdecError(f"--cycles-per-call {self.cycles_per_call}: only the JAX engine runs several cycles "
                                "a call (a torch cycle is one graph replay)")
-        draft_fn = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max).device_draft_fn(
-            "jax" if self._jax else "torch", self.k) if self.k else None
+        drafter = source.build(self.engine, self.k) if self.k else None
+        draft_fn = drafter.device_draft_fn(self.engine.framework, self.k) if drafter is not None else None
         if self._jax:
             from specdec.verifiers.jax_engine import JaxFusedCycle
 
             return JaxFusedCycle(self.engine, draft_fn, self.k, cycles_per_call=self.cycles_per_call)
         from specdec.verifiers.torch_engine import FusedCycle
 
-        narrower = narrower_widths(self.engine.batch) if self.narrow_cycles else []
+        # a drafter's state on the device spans the batch: its cycles run every row
+        narrow = self.narrow_cycles and not (drafter is not None and drafter.stateful)
+        narrower = narrower_widths(self.engine.batch) if narrow else []
         widths = self.engine.widths_keeping_bits(narrower)
         log.info("torch cycles over %s rows (each checked to keep a row's bits)", ", ".join(map(str, widths)))
         cycle = FusedCycle(self.engine, draft_fn, self.k, widths=widths)
@@ -196,6 +201,7 @@ class Scheduler:
         self._thread.join()
 
     def submit(self, request: Request) -> None:
+        request.stats = SpecStats(k=self.k)
         with self._wakeup:
             self.waiting.append(request)
             self._wakeup.notify()
@@ -308,7 +314,8 @@ class Scheduler:
             emitted = result.emitted(b)
             kept, finished = request.stop.take(request.tokens, emitted)
             request.tokens.extend(kept)
-            self.stats.record(int(result.draft_len[b]), int(result.num_accepted[b]), len(emitted), len(kept))
+            for stats in (self.stats, request.stats):
+                stats.record(int(result.draft_len[b]), int(result.num_accepted[b]), len(emitted), len(kept))
             if finished:
                 self._free(b)
             request.on_update(Update(kept, finished))

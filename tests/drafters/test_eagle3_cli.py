@@ -4,13 +4,10 @@ refused with one line."""
 
 import json
 
-import numpy as np
 from typer.testing import CliRunner
 
 from specdec.cli import app
-from specdec.drafters.eagle3 import Eagle3Config, random_head, save_head
-from specdec.models.checkpoint import checkpoint_fingerprint
-from specdec.models.config import GemmaConfig
+from tests.checkpoints import tiny_eagle3_head
 
 runner = CliRunner()
 
@@ -20,16 +17,8 @@ def run(*args):
     return result.exit_code, result.stdout, result.stderr
 
 
-def tiny_head(ckpt, out, fingerprint=None):
-    target_cfg = GemmaConfig.from_file(ckpt / "config.json")
-    cfg = Eagle3Config.for_target(target_cfg, draft_vocab_size=2048,
-                                  fingerprint=fingerprint or checkpoint_fingerprint(ckpt))
-    head = random_head(cfg, seed=0, d2t=np.arange(2048) * 100 - np.arange(2048))  # every 100th target id
-    return save_head(out, cfg, head.params, head.d2t, head.t2d)
-
-
 def test_validate_passes_every_gate_with_an_eagle3_head(ckpt, tmp_path):
-    head = tiny_head(ckpt, tmp_path / "head")
+    head = tiny_eagle3_head(ckpt, tmp_path / "head")
     evidence = tmp_path / "evidence.json"
     code, out, err = run("validate", "--target", str(ckpt), "--engine", "all", "--drafter", f"eagle3={head}",
                          "--tokens", "10", "--k-max", "2", "--draws", "2000", "--sampled-rows", "100",
@@ -43,7 +32,7 @@ def test_validate_passes_every_gate_with_an_eagle3_head(ckpt, tmp_path):
 
 
 def test_generate_with_an_eagle3_head_writes_the_plain_decode(ckpt, tmp_path):
-    head = tiny_head(ckpt, tmp_path / "head")
+    head = tiny_eagle3_head(ckpt, tmp_path / "head")
     texts = {}
     for drafter in ("none", f"eagle3={head}"):
         code, out, err = run("generate", "def add(a, b):", "--target", str(ckpt), "--max-new-tokens", "12",
@@ -54,7 +43,7 @@ def test_generate_with_an_eagle3_head_writes_the_plain_decode(ckpt, tmp_path):
 
 
 def test_a_head_for_another_target_is_refused(ckpt, tmp_path):
-    head = tiny_head(ckpt, tmp_path / "head", fingerprint="0123456789abcdef")
+    head = tiny_eagle3_head(ckpt, tmp_path / "head", fingerprint="0123456789abcdef")
     code, _, err = run("generate", "Hi", "--target", str(ckpt), "--drafter", f"eagle3={head}", "--max-new-tokens", "4")
     assert code == 1 and len(err.strip().splitlines()) == 1
     assert "head trained for target checkpoint 0123456789abcdef" in err

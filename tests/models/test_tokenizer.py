@@ -5,12 +5,11 @@ import gc
 import json
 
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models
 
 from specdec.errors import SpecdecError
 from specdec.models.gguf_import import default_checkpoint
 from specdec.models.tokenizer import Tokenizer
+from tests.checkpoints import write_byte_tokenizer
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -18,20 +17,6 @@ TEMPLATE = (
     "<start_of_turn>{{ m['role'] }}\n{{ m['content'] | trim }}<end_of_turn>\n"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
-
-
-def write_byte_tokenizer(directory, config=None):
-    """A byte-fallback tokenizer whose vocabulary is <bos>, <eos>, <unk>, 'a' and the 256 byte tokens."""
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "a": 4}
-    vocab.update({f"<0x{b:02X}>": 5 + b for b in range(256)})
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
-    backend.add_special_tokens(["<pad>", "<eos>", "<bos>", "<unk>"])
-    directory.mkdir(exist_ok=True)
-    backend.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<bos>", "eos_token": {"content": "<eos>"}, **(config or {})}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
 
 
 # --- fast --------------------------------------------------------------------------------------------
