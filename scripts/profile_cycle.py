@@ -25,13 +25,24 @@ import torch
 from specdec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, engine_taps, load_head, random_head
 from specdec.drafters.ngram import NgramDrafter
 from specdec.evidence import git_commit, now_utc
+from specdec.generate import StopCondition
 from specdec.models.config import GemmaConfig, decode_width
 from specdec.models.torch_gemma import GemmaModel
+from specdec.roofline import median_seconds
 from specdec.sampling import SamplingParams
 from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_drafter_cycles import log, time_cycles  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def time_cycles(cycle, prompt: list[int], cycles: int, rows: int = 1) -> float:
+    """Median seconds per cycle.step() (graph replay + host sync), after a warm-up that captures the graph; each of
+    the engine's `rows` decodes the prompt."""
+    cycle.start([prompt] * rows, StopCondition(10**6))
+    return median_seconds(cycle.step, cycles)
 
 
 def gpu_ms(replay, reps: int) -> float:

@@ -25,7 +25,10 @@ from specdec.serve.scheduler import Scheduler, SpeculativeConfig, widths_label
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serve import DEFAULT_PROMPTS  # noqa: E402
-from time_jax_generation import ints  # noqa: E402
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
 
 
 def time_requests(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
