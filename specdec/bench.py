@@ -1,5 +1,6 @@
-"""`specdec bench`: our plain, n-gram and (given a head) EAGLE-3 speculative decoding, on both engines, side by side with Hugging
-Face transformers' `generate` (plain and prompt lookup) on the same prompts, device and dtype, in one run.
+"""`specdec bench`: our plain decoding and each drafter's speculative decoding (n-gram, and any the registry knows:
+EAGLE-3 heads, model drafters, MTP assistants), on both engines, side by side with Hugging Face transformers'
+`generate` (plain and prompt lookup) on the same prompts, device and dtype, in one run.
 
 Ours runs through the public API (`specdec.load`, `specdec.generate`), so the numbers are what users get.
 Every speculative run is compared token by token with the same engine's plain decode of the same prompt;
@@ -40,14 +41,10 @@ class BenchSettings:
     peer: bool = True  # also run transformers' generate
     invariant: bool = True
     compile: bool = True  # torch.compile the torch engine's forward on CUDA (set-up: warm-up, not timed)
-    eagle3: Path | None = None  # an EAGLE-3 head: its runs at each K beside n-gram's
+    drafters: tuple[str, ...] = ("ngram",)  # drafter specs (specdec.drafters.registry), each run at each K
     fp8: bool = False  # our engines' linears in FP8 (specdec.models.fp8); the peer keeps the checkpoint's weights
     isolate: bool | None = None  # each engine in a process of its own; None: on a GPU, where several engines run
     graph_prefill: bool = False  # torch, compiled on CUDA: prefill as CUDA graphs (TorchEngine's graph_prefill)
-
-    @property
-    def drafters(self) -> tuple[str, ...]:
-        return ("ngram",) + (("eagle3",) if self.eagle3 is not None else ())
 
     @property
     def engine_k_max(self) -> int:
@@ -58,14 +55,21 @@ class BenchSettings:
 class Method:
     engine: str  # torch | jax | transformers
     k: int  # 0: plain decode
-    drafter: str = "ngram"  # ngram | eagle3 (transformers: prompt lookup)
+    drafter: str = "ngram"  # its spec (transformers: prompt lookup)
 
     @property
     def name(self) -> str:
         if self.engine == PEER:
             return "HF plain" if self.k == 0 else f"HF prompt lookup K={self.k}"
-        label = {"ngram": "n-gram", "eagle3": "EAGLE-3"}[self.drafter]
-        return f"{self.engine} plain" if self.k == 0 else f"{self.engine} {label} K={self.k}"
+        return f"{self.engine} plain" if self.k == 0 else f"{self.engine} {drafter_label(self.drafter)} K={self.k}"
+
+
+def drafter_label(spec: str) -> str:
+    """A drafter's name in tables and plots: its kind's label, and its directory's name ("EAGLE-3 head")."""
+    from specdec.drafters.registry import parse_spec
+
+    kind, path = parse_spec(spec)
+    return kind.label if path is None else f"{kind.label} {path.name}"
 
 
 def engine_methods(engine: str, settings: BenchSettings) -> list[Method]:
@@ -99,6 +103,7 @@ def parse_ks(text: str) -> tuple[int, ...]:
 
 def check_settings(settings: BenchSettings) -> None:
     from specdec.api import ENGINES
+    from specdec.drafters.registry import parse_spec
 
     for engine in settings.engines:
         if engine not in ENGINES:
@@ -107,6 +112,11 @@ def check_settings(settings: BenchSettings) -> None:
         raise SpecdecError("no engine to benchmark")
     if not settings.ks:
         raise SpecdecError("--k: no draft length given")
+    if not settings.drafters or len(set(settings.drafters)) != len(settings.drafters):
+        raise SpecdecError(f"--drafter: give each drafter once, got {list(settings.drafters)}")
+    for spec in settings.drafters:
+        if parse_spec(spec)[0] is None:
+            raise SpecdecError("--drafter none: plain decoding always runs")
     if min(settings.ks) < 1:
         raise SpecdecError(f"--k: K={min(settings.ks)} is below 1 (plain decoding, K=0, always runs)")
     k_max = settings.engine_k_max
@@ -135,7 +145,7 @@ def load_prompts(settings: BenchSettings, tokenizer=None) -> list[str]:
     if settings.dataset is not None:
         return dataset_prompts(settings.dataset, settings.field)[: settings.num_prompts]
     if tokenizer is None:
-        from specdec.api import resolve_checkpoint
+        from specdec.models.gguf_import import resolve_checkpoint
         from specdec.models.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(resolve_checkpoint(settings.target))
@@ -238,7 +248,7 @@ def run_bench(settings: BenchSettings) -> dict:
 def bench_job(settings: BenchSettings, on_cuda: bool) -> dict:
     """What each engine's runs need, as JSON (a child process takes it): the checkpoint, its prompts as text and
     tokens, the context that fits the longest, and the settings the decoders take."""
-    from specdec.api import resolve_checkpoint
+    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.models.config import decode_width
     from specdec.models.tokenizer import Tokenizer
 
@@ -251,7 +261,7 @@ def bench_job(settings: BenchSettings, on_cuda: bool) -> dict:
     return {"checkpoint": str(path), "dtype": "bfloat16" if on_cuda else "float32", "k_max": k_max,
             "context": max(len(ids) for ids in prompt_ids) + max_new_tokens + 2 * decode_width(k_max),
             "texts": texts, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens,
-            "settings": {"ks": list(settings.ks), "eagle3": None if settings.eagle3 is None else str(settings.eagle3),
+            "settings": {"ks": list(settings.ks), "drafters": list(settings.drafters),
                          "invariant": settings.invariant, "compile": settings.compile, "fp8": settings.fp8,
                          "graph_prefill": settings.graph_prefill}}
 
@@ -261,12 +271,12 @@ def engine_runs(engine: str, job: dict, step, advance) -> dict[Method, list[Run]
     what runs, `advance()` counts a decode done."""
     path, dtype, texts = Path(job["checkpoint"]), job["dtype"], job["texts"]
     options = job["settings"]
-    settings = BenchSettings(ks=tuple(options["ks"]), eagle3=options["eagle3"] and Path(options["eagle3"]))
+    settings = BenchSettings(ks=tuple(options["ks"]), drafters=tuple(options["drafters"]))
     if engine == PEER:
         decode = _transformers_decoder(path, dtype)
     else:
         decode = _our_decoder(path, engine, dtype, job["k_max"], job["context"], options["invariant"],
-                              options["compile"], settings.eagle3, options["fp8"], options["graph_prefill"])
+                              options["compile"], settings.drafters, options["fp8"], options["graph_prefill"])
     methods = engine_methods(engine, settings)
     for method in methods:
         step(f"warm-up {method.name}")
@@ -336,23 +346,27 @@ def _child(spec_path: str) -> None:
 
 
 def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, invariant: bool, compile: bool,
-                 eagle3: Path | None = None, fp8: bool = False, graph_prefill: bool = False):
+                 drafters: tuple[str, ...] = ("ngram",), fp8: bool = False, graph_prefill: bool = False):
     """decode(text, ids, method, max_new_tokens) -> Run on one engine: plain (k = 0) and every drafter and K
-    share it, so all decode forwards have one width (what makes greedy speculative output the plain
-    decode's). With an EAGLE-3 head every forward also returns the head's taps, plain decoding's too. `fp8`: the
-    target's linears in FP8, its plain decode the reference of its speculative runs."""
+    share it, so all decode forwards have one width and one program (what makes greedy speculative output the
+    plain decode's). With a drafter that reads the target's hidden states every forward also returns them, plain
+    decoding's too, so drafters that tap different layers are benched in runs of their own. `fp8`: the target's
+    linears in FP8, its plain decode the reference of its speculative runs."""
     import specdec
-    from specdec.api import drafter_taps
+    from specdec.drafters.registry import DrafterSource
 
-    spec = {"ngram": "ngram", "eagle3": f"eagle3={eagle3}"}
+    sources = {spec: DrafterSource(spec, path) for spec in drafters}
+    taps = {source.taps for source in sources.values()} - {()}
+    if len(taps) > 1:
+        raise SpecdecError(f"--drafter: {', '.join(s for s, source in sources.items() if source.taps)} read different "
+                           "target layers (one target serves a run): bench them in runs of their own")
     target = specdec.load(path, engine=engine, dtype=dtype, k_max=k_max, max_seq_len=context, invariant=invariant,
-                          compile=compile, hidden_layers=drafter_taps(spec["eagle3"], path) if eagle3 else (), fp8=fp8,
-                          graph_prefill=graph_prefill)
+                          compile=compile, hidden_layers=next(iter(taps), ()), fp8=fp8, graph_prefill=graph_prefill)
     if engine == "torch":  # set-up, as a server's: prefill's program (with graph_prefill, each width's graph)
         target.engine.warm_up_prefill()
 
     def decode(text: str, _ids: list[int], method: Method, max_new_tokens: int) -> Run:
-        _, gen = specdec.generate(text, target, drafter=spec[method.drafter] if method.k else "none", k=method.k,
+        _, gen = specdec.generate(text, target, drafter=sources[method.drafter] if method.k else "none", k=method.k,
                                   max_new_tokens=max_new_tokens)
         return Run(gen.tokens[0], gen.stats.wall_s, gen.stats)
 
@@ -536,11 +550,11 @@ def plot_bench(record: dict, path: Path) -> None:
     for i, engine in enumerate(dict.fromkeys(m["engine"] for m in record["methods"])):
         color = "black" if engine == PEER else f"C{i}"
         plain = next(m for m in record["methods"] if m["engine"] == engine and m["k"] == 0)
-        for drafter, style in (("ngram", "o-"), ("eagle3", "^-")):
-            mine = {m["k"]: m for m in record["methods"] if m["engine"] == engine and m.get("drafter") == drafter}
+        for drafter in dict.fromkeys(m["drafter"] for m in record["methods"] if m["k"]):
+            mine = {m["k"]: m for m in record["methods"] if m["engine"] == engine and m["drafter"] == drafter}
             if mine:
-                ax.plot(ks, [mine[k]["tok_s"] for k in ks], "s--" if engine == PEER else style, color=color,
-                        label=mine[ks[0]]["method"].rsplit(" K=", 1)[0])
+                ax.plot(ks, [mine[k]["tok_s"] for k in ks], "s--" if engine == PEER else marker(record, drafter) + "-",
+                        color=color, label=mine[ks[0]]["method"].rsplit(" K=", 1)[0])
         ax.axhline(plain["tok_s"], color=color, ls=":", label=plain["method"])
     s = record["settings"]
     ax.set_xticks(ks)
@@ -556,7 +570,7 @@ def plot_acceptance(record: dict, path: Path) -> None:
     k = max(record["settings"]["ks"])
     fig, ax = _figure()
     for i, m in enumerate(m for m in record["methods"] if m["k"] == k and m["engine"] != PEER):
-        ax.plot(range(1, k + 1), m["per_position_acceptance"], "o-" if m["drafter"] == "ngram" else "^-",
+        ax.plot(range(1, k + 1), m["per_position_acceptance"], marker(record, m["drafter"]) + "-",
                 color=f"C{i}", label=f"{m['method']} (tau {m['tau']:.2f})")
     ax.set_xticks(range(1, k + 1))
     ax.set_ylim(0, 1)
@@ -581,14 +595,18 @@ def plot_cost(record: dict, path: Path) -> None:
         first = group not in styles
         color = styles.setdefault(group, f"C{len(styles)}")
         ax.plot([0, m["k"] + 1], [0, m["ceiling_tok_s"]], "--", color=color, lw=0.8, alpha=0.6)
-        ax.plot(m["tau"], m["tok_s"], "o" if m["drafter"] == "ngram" else "^", color=color,
-                label=group if first else None)
+        ax.plot(m["tau"], m["tok_s"], marker(record, m["drafter"]), color=color, label=group if first else None)
         ax.annotate(f"K={m['k']}", (m["tau"], m["tok_s"]), fontsize=7, xytext=(3, -9), textcoords="offset points")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("tau (tokens per cycle); dashed: decoding alone at that cycle cost, to tau = K+1")
     ax.set_ylabel("tokens / s")
     _finish_plot(fig, ax, record, path)
+
+
+def marker(record: dict, drafter: str) -> str:
+    """A drafter's matplotlib marker in every plot of a run: one per drafter, in the order they were given."""
+    return "o^sDvP*X"[record["settings"]["drafters"].index(drafter) % 8]
 
 
 def _figure():

@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from specdec.drafters import registry as drafter_registry
 from specdec.errors import SpecdecError
 from specdec.protocol import DEFAULT_DRAFTS
 
@@ -60,7 +61,7 @@ def user_errors(fn):
 def generate(
     prompt: str = typer.Argument(..., help="completion prompt (or the user turn with --chat)"),
     target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
-    drafter: str = typer.Option("ngram", help="ngram | none | eagle3=DIR (an EAGLE-3 head trained for this target) | model=DIR (a Gemma of the target's tokenizer) | mtp=DIR (a Gemma 4 assistant)"),
+    drafter: str = typer.Option("ngram", help=drafter_registry.help_text()),
     engine: str = typer.Option("torch", help="torch | jax"),
     k: int = typer.Option(DEFAULT_DRAFTS, "-k", "--k", help="draft tokens per cycle"),
     max_new_tokens: int = typer.Option(128, help="tokens to generate at most"),
@@ -144,7 +145,8 @@ def validate(
     prompts: Optional[Path] = typer.Option(None, help="run every gate per prompt: a prompt file, JSONL rows with conversations, messages, text or prompt, or text with one prompt a line"),
     tokens: Optional[int] = typer.Option(None, help="tokens per decode [default: 640 on CUDA (past the sliding-window ring wrap), 48 on CPU]"),
     k_max: int = typer.Option(8, help="greedy and self-draft gates run K = 1 .. k_max"),
-    drafter: str = typer.Option("ngram", help="the greedy gates' drafter: ngram | eagle3=DIR | model=DIR | mtp=DIR (these three also gate their sampled drafts end to end)"),
+    drafter: str = typer.Option("ngram", help="the greedy gates' drafter (one that samples its own drafts is also "
+                                "gated end to end with sampled drafts): " + drafter_registry.help_text(plain=False)),
     draws: int = typer.Option(100_000, help="draws per case of the sampling gate"),
     sampled_rows: int = typer.Option(2000, help="rows (draws) of the end-to-end sampled gate of an eagle3, model or mtp drafter"),
     self_draft: bool = typer.Option(True, help="run the self-draft gate (the target as its own drafter)"),
@@ -161,8 +163,9 @@ def validate(
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from specdec import gates
-    from specdec.api import DRAFTER_DIRS, DrafterSource, resolve_checkpoint
     from specdec.data.sources import read_prompts
+    from specdec.drafters.registry import DrafterSource
+    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.evidence import git_commit, now_utc
     from specdec.models.tokenizer import Tokenizer
     from specdec.progress import LoggedProgress
@@ -189,7 +192,7 @@ def validate(
         err.print("[yellow]invariant forwards off: speculative output can differ from plain decoding at "
                   "floating-point near-ties, and the greedy gates then fail[/yellow]")
     source = DrafterSource(drafter, path)
-    stateful = source.kind in DRAFTER_DIRS  # gated end to end with sampled drafts too
+    stateful = source.samples_drafts  # gated end to end with sampled drafts too
     factory = (lambda verifier, k: source.build(verifier, k)) if stateful else None
     eut, batch_engines = [], []
     for name in engines:
@@ -209,14 +212,14 @@ def validate(
             for result in gates.model_gates(eut, ids, tokens, k_max, self_draft,
                                             progress=lambda m, i=i: (step(f"prompt {i + 1}/{len(texts)} · {m}"),
                                                                      bar.advance(task)),
-                                            drafter_factory=factory, drafter_name=source.kind):
+                                            drafter_factory=factory, drafter_name=source.name):
                 results.append((i, result))
         for framework, batch_engine in zip(engines, batch_engines):
             step(f"{framework}: sampling rule, {draws} draws per case")
             results += [(None, r) for r in gates.gate_sampling(framework, draws=draws)]
             bar.advance(task)
             if stateful:
-                step(f"{framework}: {source.kind} drafter's sampled drafts end to end, {sampled_rows} draws")
+                step(f"{framework}: {source.name} drafter's sampled drafts end to end, {sampled_rows} draws")
                 results.append((None, gates.gate_sampled_drafter(batch_engine(sampled_rows), source.build, prompt_ids[0])))
                 bar.advance(task)
     _print_gate_tables(texts, results)
@@ -336,7 +339,7 @@ def _gate_engines(engine, path, device, dtype, k_max, context, invariant, hidden
 def bench(
     target: Optional[Path] = typer.Option(None, help=TARGET_HELP),
     engines: str = typer.Option("torch,jax", help="our engines, comma-separated: torch, jax"),
-    k: str = typer.Option("2,4,8", "--k", help="draft lengths K of the n-gram runs, comma-separated (plain decoding always runs)"),
+    k: str = typer.Option("2,4,8", "--k", help="draft lengths K of every drafter's runs, comma-separated (plain decoding always runs)"),
     k_max: Optional[int] = typer.Option(None, help="the engines' largest K, which sets their decode width [default: the largest --k]"),
     max_new_tokens: Optional[int] = typer.Option(None, help="tokens per decode [default: 128 on CUDA, 32 on CPU]"),
     prompts: Optional[Path] = typer.Option(None, help="a prompt file: JSONL rows with conversations, messages, text or prompt, or text with one prompt a line [default: the packaged prompt set]"),
@@ -344,7 +347,7 @@ def bench(
     field: Optional[str] = typer.Option(None, help="the dataset's prompt column [default: 'prompt', else 'text']"),
     num_prompts: Optional[int] = typer.Option(None, help="use the first N prompts"),
     peer: bool = typer.Option(True, help="also run transformers' generate: plain and prompt lookup at each K"),
-    eagle3: Optional[Path] = typer.Option(None, help="an EAGLE-3 head directory: also run it at each K"),
+    drafter: list[str] = typer.Option(["ngram"], help="a drafter to run at each K (repeatable): " + drafter_registry.help_text(plain=False)),
     invariant: bool = typer.Option(True, help="row-invariant forwards: speculative output identical to plain decoding"),
     compile: bool = typer.Option(True, help="torch.compile the torch engine's forward on CUDA; the JAX engine's prefill in a program of its own (during the warm-up, not timed)"),
     fp8: bool = typer.Option(False, help="our engines' linears in FP8, a scale per output row; transformers keeps the checkpoint's weights"),
@@ -353,9 +356,9 @@ def bench(
     out: Path = typer.Option(Path("specdec-bench.json"), help="JSON results to write"),
     plot: Optional[Path] = typer.Option(None, help="PNG of tok/s against K [default: --out with .png]"),
 ):
-    """Benchmark plain decoding and n-gram (and EAGLE-3) speculative decoding on both engines against transformers'
-    generate, on the same prompts: a table of tok/s, ratios, tau and whether each output is the plain
-    decode's; JSON and a PNG. Exit 1 if a speculative output differs from plain decoding."""
+    """Benchmark plain decoding and each drafter's speculative decoding on both engines against transformers'
+    generate (plain and prompt lookup), on the same prompts: a table of tok/s, ratios, tau and whether each output
+    is the plain decode's; JSON and PNGs. Exit 1 if a speculative output differs from plain decoding."""
     import json
 
     from specdec import bench as benchmark
@@ -363,7 +366,7 @@ def bench(
     settings = benchmark.BenchSettings(
         target=target, engines=tuple(benchmark.parse_list(engines, "--engines")), ks=benchmark.parse_ks(k),
         k_max=k_max, max_new_tokens=max_new_tokens, prompts_file=prompts, dataset=dataset, field=field,
-        num_prompts=num_prompts, peer=peer, invariant=invariant, compile=compile, eagle3=eagle3, fp8=fp8,
+        num_prompts=num_prompts, peer=peer, invariant=invariant, compile=compile, drafters=tuple(drafter), fp8=fp8,
         isolate=isolate, graph_prefill=graph_prefill,
     )
     benchmark.require("matplotlib", "the plot")
@@ -410,7 +413,7 @@ def serve(
     port: int = typer.Option(8000, help="port to listen on (0: a free one)"),
     max_num_seqs: int = typer.Option(8, help="requests decoded together (rows of the engine's batch)"),
     max_model_len: int = typer.Option(4096, help="positions the KV cache holds per request: its prompt and generated tokens fit in all but the few kept for drafts (/v1/models says how many fit)"),
-    speculative_config: Optional[str] = typer.Option(None, help='JSON as vLLM\'s, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}\'; absent: plain decoding'),
+    speculative_config: Optional[str] = typer.Option(None, help='JSON as vLLM\'s: {"method": M, "num_speculative_tokens": K} with M one of ' + ", ".join(k.vllm_method for k in drafter_registry.KINDS.values()) + ', "model": DIR for a drafter with files (eagle3, draft_model, mtp), ngram\'s "prompt_lookup_min"/"prompt_lookup_max"; absent: plain decoding'),
     served_model_name: Optional[str] = typer.Option(None, help="the model name requests use [default: the checkpoint directory's name]"),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
     compile: bool = typer.Option(True, help="torch.compile the forward (torch on CUDA); JAX: prefill in a program of its own"),
@@ -667,7 +670,7 @@ def inspect(target: Optional[Path] = typer.Option(None, help=TARGET_HELP)):
     """Print a checkpoint's resolved configuration, layer by layer."""
     from rich.table import Table
 
-    from specdec.api import resolve_checkpoint
+    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.models.config import GemmaConfig
 
     path = resolve_checkpoint(target)

@@ -11,6 +11,7 @@ import specdec
 from specdec.bench import BenchSettings, Method, _runs_in_child, bench_job, engine_runs, load_prompts
 from specdec.cli import app
 from specdec.generate import Generation, SpecStats
+from tests.checkpoints import tiny_eagle3_head
 
 runner = CliRunner()
 PROMPTS = [
@@ -64,6 +65,25 @@ def test_both_engines_and_the_peer(ckpt, prompts_file, tmp_path):
     for png in (out.with_suffix(".png"), tmp_path / "bench-acceptance.png", tmp_path / "bench-cost.png"):
         assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert "torch n-gram K=2" in stdout and "HF prompt lookup K=2" in stdout and "identical" in stdout
+
+
+def test_every_drafter_given_runs_at_each_k(ckpt, prompts_file, tmp_path):
+    """n-gram, an EAGLE-3 head and a model drafter (the target drafting for itself) in one run, each against the
+    same plain decode."""
+    head = tiny_eagle3_head(ckpt, tmp_path / "head")
+    out = tmp_path / "bench.json"
+    code, stdout, stderr = run("--target", ckpt, "--prompts", prompts_file, "--engines", "torch", "--no-peer",
+                               "--k", "2", "--max-new-tokens", "8", "--drafter", "ngram", "--drafter", f"eagle3={head}",
+                               "--drafter", f"model={ckpt}", "--out", out)
+    assert code == 0, stderr
+    record = json.loads(out.read_text())
+    methods = {m["method"]: m for m in record["methods"]}
+    assert list(methods) == ["torch plain", "torch n-gram K=2", "torch EAGLE-3 head K=2", "torch model ckpt K=2"]
+    assert record["identical"] is True and all(m["identical"] for m in methods.values() if m["k"])
+    assert methods["torch model ckpt K=2"]["tau"] > 2  # the target's own drafts: all but a budget's cut accepted
+    assert record["settings"]["drafters"] == ["ngram", f"eagle3={head}", f"model={ckpt}"]
+    for png in (out.with_suffix(".png"), tmp_path / "bench-acceptance.png", tmp_path / "bench-cost.png"):
+        assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_an_engine_in_a_process_of_its_own_decodes_as_in_the_benchs(ckpt, prompts_file):
@@ -170,6 +190,9 @@ def test_prompts_from_datasets(fake_engine, tmp_path):
     (["--prompts", "no-such-prompts.jsonl"], "no-such-prompts.jsonl"),
     (["--dataset", "no-such-dataset"], "no-such-dataset"),
     (["--dataset", "DATA", "--field", "question"], "no column 'question'"),
+    (["--drafter", "none"], "plain decoding always runs"),
+    (["--drafter", "ngram", "--drafter", "ngram"], "give each drafter once"),
+    (["--drafter", "eagle3"], "needs the head's directory"),
 ])
 def test_bad_input(args, needle, tmp_path):
     data_file = tmp_path / "data.jsonl"

@@ -301,6 +301,28 @@ def load_for_target(path: str | Path, target_cfg, fingerprint: str | None) -> Ea
     return head
 
 
+def open_drafter(path: Path, target_path: Path) -> "Eagle3Source":
+    """The registry's entry (specdec.drafters.registry)."""
+    return Eagle3Source(path, target_path)
+
+
+class Eagle3Source:
+    """A head read and checked against its target (specdec.protocol.LoadedDrafter)."""
+
+    samples_drafts = True
+
+    def __init__(self, path: Path, target_path: Path):
+        from specdec.models.checkpoint import checkpoint_fingerprint
+        from specdec.models.config import GemmaConfig
+
+        target_cfg = GemmaConfig.from_file(target_path / "config.json")
+        self.head = load_for_target(path, target_cfg, checkpoint_fingerprint(target_path))
+        self.taps = self.head.cfg.taps
+
+    def build(self, verifier, k: int, sampling) -> "Eagle3Drafter":
+        return Eagle3Drafter(self.head, verifier, k, sampling)
+
+
 class Eagle3Drafter(StatefulDrafter):
     """An EAGLE-3 head as a drafter (specdec.drafters.stateful): its device state is eagle3_torch.TorchEagle3
     or eagle3_jax.JaxEagle3. Its verifier must return the hidden states of `head.cfg.taps`, for the prompt
