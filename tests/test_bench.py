@@ -1,14 +1,19 @@
 """`specdec bench`: every method side by side on a tiny random checkpoint, a difference from plain decoding
 failing the run, prompts from local datasets, and bad input as one line on stderr with exit 1."""
 
+import importlib.machinery
+import itertools
 import json
-from types import SimpleNamespace
+import sys
+from importlib.util import find_spec
+from types import ModuleType, SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
 
 import specdec
-from specdec.bench import BenchSettings, Method, _runs_in_child, bench_job, engine_runs, load_prompts
+from specdec.bench import (WARMUP_TOKENS, BenchSettings, Method, _runs_in_child, bench_job, engine_runs,
+                           load_prompts)
 from specdec.cli import app
 from specdec.generate import Generation, SpecStats
 from tests.checkpoints import tiny_eagle3_head
@@ -43,16 +48,19 @@ def test_both_engines_and_the_peer(ckpt, prompts_file, tmp_path):
     assert record["device"] == "cpu" and record["date"] and record["commit"]
     settings = record["settings"]
     assert settings["engines"] == ["torch", "jax"] and settings["ks"] == [2] and settings["max_new_tokens"] == 24
-    assert settings["dtype"] == "float32" and settings["peer"] and settings["invariant"]
+    assert settings["dtype"] == "float32" and settings["peers"] == ["transformers"] and settings["invariant"]
+    assert set(settings["versions"]) == {"torch", "jax", "transformers"}
     assert [p["text"] for p in record["prompts"]] == PROMPTS
     methods = {m["method"]: m for m in record["methods"]}
     assert list(methods) == ["torch plain", "torch n-gram K=2", "jax plain", "jax n-gram K=2", "HF plain",
                              "HF prompt lookup K=2"]
     for m in methods.values():
         assert len(m["per_prompt"]) == 2 and m["tokens"] == sum(p["tokens"] for p in m["per_prompt"]) > 0
-        assert m["tok_s"] == pytest.approx(m["tokens"] / m["seconds"]) and m["vs_hf_plain"] > 0
+        assert m["tok_s"] == pytest.approx(m["tokens"] / m["seconds"]) and m["vs_peer_plain"]["transformers"] > 0
+        assert m["weights"] == "float32"
+    assert methods["HF plain"]["vs_plain"] == methods["HF plain"]["vs_peer_plain"]["transformers"] == 1.0
     for engine in ("torch", "jax"):
-        assert methods[f"{engine} plain"]["vs_our_plain"] == 1.0
+        assert methods[f"{engine} plain"]["vs_plain"] == 1.0
         speculative = methods[f"{engine} n-gram K=2"]
         assert speculative["identical"] is True and speculative["tau"] >= 1
         assert len(speculative["per_position_acceptance"]) == 2
@@ -182,6 +190,136 @@ def test_prompts_from_datasets(fake_engine, tmp_path):
     assert record["settings"]["dataset"] == str(saved) and record["settings"]["field"] == "question"
 
 
+@pytest.fixture
+def identical_engine(monkeypatch):
+    """specdec.load/generate stand-ins (no model) whose speculative output is the plain decode's: 5, 6, 7, ..."""
+
+    class Loaded:
+        tokenizer = None
+        engine = SimpleNamespace(warm_up_prefill=lambda: None)
+
+    def generate(prompt, target, drafter, k, max_new_tokens):
+        return [prompt], Generation([list(range(5, 5 + max_new_tokens))], SpecStats(k=k, cycles=2, emitted=3, kept=3,
+                                                                                 decode_s=0.1))
+
+    monkeypatch.setattr(specdec, "load", lambda *args, **kwargs: Loaded())
+    monkeypatch.setattr(specdec, "generate", generate)
+
+
+def stand_in_module(monkeypatch, name: str, **attributes) -> None:
+    """A module importable under `name` (and found by the bench's check that a peer is installed)."""
+    module = ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__dict__.update(attributes)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_llama_cpp_runs_its_gguf_plain_and_with_prompt_lookup(ckpt, prompts_file, tmp_path, identical_engine,
+                                                              monkeypatch):
+    """The llama.cpp peer, on a stand-in for llama-cpp-python: a context per K on the target's GGUF (prompt lookup
+    of 3- to 1-token matches as its draft model), each decode from an empty cache with the prompt's own token ids,
+    greedy, cut at --max-new-tokens; its weights named from the GGUF's file type. Its prompt lookup differing from
+    its own plain decode is recorded, and fails nothing."""
+    from gguf import GGUFWriter, LlamaFileType
+
+    gguf = ckpt / "model-q4_k_m.gguf"
+    writer = GGUFWriter(gguf, "gemma3")
+    writer.add_file_type(LlamaFileType.MOSTLY_Q4_K_M)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    contexts, decodes = [], []
+
+    class LlamaPromptLookupDecoding:
+        def __init__(self, max_ngram_size, num_pred_tokens):
+            self.n = (max_ngram_size, num_pred_tokens)
+
+    class Llama:
+        def __init__(self, model_path, draft_model=None, **options):
+            contexts.append((model_path, draft_model and draft_model.n, options["n_ctx"]))
+            self.draft, self.fresh = draft_model, False
+
+        def reset(self):
+            self.fresh = True
+
+        def generate(self, tokens, **sampling):
+            decodes.append((self.fresh, tokens, sampling["temp"], sampling["top_k"]))
+            self.fresh = False
+            for i in itertools.count():  # prompt lookup goes its own way at the third token
+                yield 99 if self.draft and i == 2 else 5 + i
+
+    stand_in_module(monkeypatch, "llama_cpp", Llama=Llama)
+    stand_in_module(monkeypatch, "llama_cpp.llama_speculative", LlamaPromptLookupDecoding=LlamaPromptLookupDecoding)
+    monkeypatch.setenv("COLUMNS", "160")  # the table's every column
+    out = tmp_path / "bench.json"
+    code, stdout, stderr = run("--target", ckpt, "--prompts", prompts_file, "--engines", "torch", "--peer", "llama.cpp",
+                               "--k", "2", "--max-new-tokens", "6", "--out", out)
+    assert code == 0, stderr
+    record = json.loads(out.read_text())
+    methods = {m["method"]: m for m in record["methods"]}
+    assert list(methods) == ["torch plain", "torch n-gram K=2", "llama.cpp plain", "llama.cpp prompt lookup K=2"]
+    assert [m["weights"] for m in methods.values()] == ["float32", "float32", "GGUF Q4_K_M", "GGUF Q4_K_M"]
+    assert methods["llama.cpp plain"]["tokens"] == 2 * 6 and methods["llama.cpp plain"]["identical"] is None
+    assert methods["llama.cpp prompt lookup K=2"]["identical"] is False
+    assert [p["first_difference"] for p in methods["llama.cpp prompt lookup K=2"]["per_prompt"]] == [2, 2]
+    assert methods["torch n-gram K=2"]["vs_peer_plain"]["llama.cpp"] > 0 and record["identical"] is True
+    assert record["settings"]["peers"] == ["llama.cpp"]
+    job = bench_job(BenchSettings(target=ckpt, prompts_file=prompts_file, ks=(2,), max_new_tokens=6), False)
+    assert contexts == [(str(gguf), None, job["context"]), (str(gguf), (3, 2), job["context"])]
+    ids = job["prompt_ids"]
+    assert {tuple(d[1]) for d in decodes} == {tuple(i) for i in ids}
+    assert all(fresh and temp == 0 and top_k == 1 for fresh, _, temp, top_k in decodes)
+    assert "differs 2/2" in stdout and "llama.cpp GGUF Q4_K_M" in stdout and "x llama.cpp" in stdout
+
+
+def test_llama_cpp_needs_the_targets_gguf(ckpt, prompts_file, tmp_path, identical_engine, monkeypatch):
+    stand_in_module(monkeypatch, "llama_cpp")
+    code, _, stderr = run("--target", ckpt, "--prompts", prompts_file, "--engines", "torch", "--peer", "llama.cpp",
+                          "--k", "2", "--out", tmp_path / "bench.json")
+    assert code == 1 and "holds 0 .gguf files" in stderr
+
+
+def test_vllm_runs_plain_its_ngram_and_each_eagle3_head(ckpt, prompts_file, tmp_path, identical_engine, monkeypatch):
+    """The vLLM peer, on a stand-in for vllm: an LLM per method, sharing the GPU's memory, with vLLM's n-gram
+    (3- to 1-token matches, as ours) and the EAGLE-3 head of --drafter at each K; greedy, from the prompts' ids."""
+    head = tiny_eagle3_head(ckpt, tmp_path / "head")
+    built, asked = [], []
+
+    class LLM:
+        def __init__(self, model, **options):
+            built.append((model, options))
+
+        def generate(self, prompts, sampling, use_tqdm):
+            asked.append((prompts[0]["prompt_token_ids"], sampling))
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(5, 5 + sampling["max_tokens"])))])]
+
+    stand_in_module(monkeypatch, "vllm", LLM=LLM, SamplingParams=dict)
+    stand_in_module(monkeypatch, "vllm.inputs", TokensPrompt=dict)
+    monkeypatch.setattr("specdec.bench._versions", lambda engines: {})
+    out = tmp_path / "bench.json"
+    code, _, stderr = run("--target", ckpt, "--prompts", prompts_file, "--engines", "torch", "--peer", "vllm",
+                          "--drafter", "ngram", "--drafter", f"eagle3={head}", "--k", "2,3", "--max-new-tokens", "5",
+                          "--out", out)
+    assert code == 0, stderr
+    methods = [m["method"] for m in json.loads(out.read_text())["methods"] if m["engine"] == "vllm"]
+    assert methods == ["vLLM plain", "vLLM n-gram K=2", "vLLM n-gram K=3", "vLLM EAGLE-3 head K=2",
+                       "vLLM EAGLE-3 head K=3"]
+    assert [options["speculative_config"] for _, options in built] == [
+        None, *({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+                for k in (2, 3)), *({"method": "eagle3", "model": str(head), "num_speculative_tokens": k} for k in (2, 3))]
+    assert {model for model, _ in built} == {str(ckpt)}
+    assert all(o["dtype"] == "float32" and o["gpu_memory_utilization"] == pytest.approx(0.85 / 5) for _, o in built)
+    assert all(s["temperature"] == 0.0 for _, s in asked) and {s["max_tokens"] for _, s in asked} == {WARMUP_TOKENS, 5}
+    ids = bench_job(BenchSettings(target=ckpt, prompts_file=prompts_file), False)["prompt_ids"]
+    assert {tuple(prompt) for prompt, _ in asked} == {tuple(i) for i in ids}
+
+
+@pytest.mark.skipif(find_spec("vllm") is not None, reason="vllm is installed")
+def test_vllm_is_refused_in_one_line_where_it_is_not_installed(tmp_path):
+    code, _, stderr = run("--peer", "vllm", "--out", tmp_path / "bench.json")
+    assert code == 1 and stderr.strip() == "error: the vllm peer (--no-peer skips every peer) needs vllm (pip install vllm, on a CUDA machine)"
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--engines", "torch,tpu"], "unknown engine 'tpu'"),
     (["--k", "2,-1"], "K=-1"),
@@ -193,6 +331,9 @@ def test_prompts_from_datasets(fake_engine, tmp_path):
     (["--drafter", "none"], "plain decoding always runs"),
     (["--drafter", "ngram", "--drafter", "ngram"], "give each drafter once"),
     (["--drafter", "eagle3"], "needs the head's directory"),
+    (["--peer", "sglang"], "unknown peer 'sglang' (choose from transformers, llama.cpp, vllm)"),
+    (["--peer", "transformers", "--peer", "transformers"], "give each peer once"),
+    (["--peer", "llama.cpp", "--no-peer"], "--peer and --no-peer: give one of them"),
 ])
 def test_bad_input(args, needle, tmp_path):
     data_file = tmp_path / "data.jsonl"
