@@ -1,14 +1,17 @@
-"""EAGLE-3 draft heads (Li et al., 2025): the head's config, its draft vocabulary, its checkpoints (specdec's
-own and the vLLM/SGLang layout), and the drafter that runs it. The math is written once per framework:
-`eagle3_jax` (training, and drafting in the JAX engine) and `eagle3_torch` (drafting in the PyTorch engine).
+"""EAGLE-3 draft heads (Li et al., 2025): the head's config, its draft vocabulary, its checkpoints, and the drafter
+that runs it. The math is written once per framework: `eagle3_jax` (training, and drafting in the JAX engine) and
+`eagle3_torch` (drafting in the PyTorch engine).
 
-The head, in the layout vLLM's and SGLang's EAGLE-3 loaders read (`LlamaForCausalLMEagle3`):
+A head directory is written in the speculators format (the `speculators` package's Eagle3SpeculatorConfig and
+Eagle3DraftModel weights, which vLLM reads on its own); the older EAGLE layout (`LlamaForCausalLMEagle3`, as
+SGLang's loader reads it) is read too. The head:
   fc                   Linear(3 Ht -> H): fuses the target's hidden states at three layers (the inputs of
                        `aux_layer_ids`, vLLM's `eagle_aux_hidden_state_layer_ids`: default 2, L/2, L-3)
-  midlayer             one Llama decoder layer whose attention reads [input_layernorm(embedding) ||
-                       hidden_norm(hidden)] (2H); the residual is the hidden input
+  layers.0             one Llama decoder layer (`midlayer` in the older layout, and in `params` here) whose attention
+                       reads [input_layernorm(embedding) || hidden_norm(hidden)] (2H); the residual is the hidden
+                       input (speculators' norm_before_residual false)
   norm, lm_head        over a reduced draft vocabulary; d2t[i] = target id of draft id i, minus i; t2d marks
-                       the target ids in it
+                       the target ids in it (neither is stored for a full vocabulary)
 The token embedding is the target's (not stored). H must equal the target's hidden size.
 
 Alignment, the same in training and drafting: the head's input at position t pairs the target's feature
@@ -27,10 +30,16 @@ import numpy as np
 
 from specdec.drafters.stateful import StatefulDrafter
 from specdec.errors import SpecdecError
+from specdec.protocol import DEFAULT_DRAFTS
 
 DEFAULT_DRAFT_VOCAB = 32000
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format save_head writes
+# transformers' LlamaConfig defaults: what a speculators transformer_layer_config (a diff against them) leaves out.
+LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048,
+                  "rms_norm_eps": 1e-6, "attention_bias": False, "mlp_bias": False, "rope_theta": 10000.0}
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -112,36 +121,49 @@ class Eagle3Config:
         }
 
     def to_json(self) -> dict:
-        """config.json in the layout vLLM's and SGLang's EAGLE-3 loaders read, plus specdec's own keys."""
+        """config.json in the speculators format (Eagle3SpeculatorConfig: vLLM takes a directory with
+        `speculators_model_type` as such), plus specdec's own keys. No verifier is named: the head records its
+        target by fingerprint."""
+        layer = {
+            "model_type": "llama", "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": 1, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps, "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+            # transformers 5 reads rope_parameters, earlier releases rope_theta
+            "rope_theta": self.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+        }
+        greedy = {"proposal_type": "greedy", "speculative_tokens": DEFAULT_DRAFTS, "verifier_accept_k": 1,
+                  "accept_tolerance": 0.0}
         return {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "target_hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": 1,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
+            "architectures": ["Eagle3DraftModel"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "speculators_config": {"algorithm": "eagle3", "proposal_methods": [greedy], "default_proposal_method": "greedy",
+                                   "verifier": {"name_or_path": None, "architectures": []}},
+            "transformer_layer_config": layer,
             "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            # vLLM takes a missing norm_before_residual as true: say it
+            "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+            "embed_requires_grad": False,
             "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids), "use_aux_hidden_state": True},
+            "dtype": "float32",
             "specdec": {"target_num_layers": self.target_num_layers, "target_fingerprint": self.target_fingerprint},
         }
 
     @classmethod
     def from_json(cls, raw: dict, source: str = "config.json") -> "Eagle3Config":
+        """A head's config.json: the speculators format, or the older EAGLE layout (`LlamaForCausalLMEagle3`)."""
+        if "speculators_model_type" in raw:
+            return cls.from_speculators(raw, source)
         if "LlamaForCausalLMEagle3" not in raw.get("architectures", []):
             raise SpecdecError(f"{source}: not an EAGLE-3 head (architectures {raw.get('architectures')})")
         try:
             own = raw.get("specdec", {})
-            aux = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+            aux = raw.get("eagle_aux_hidden_state_layer_ids") or raw.get("eagle_config", {}).get(
+                "eagle_aux_hidden_state_layer_ids")
             heads = raw["num_attention_heads"]
             cfg = cls(
                 hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_heads=heads,
@@ -159,6 +181,42 @@ class Eagle3Config:
         if raw.get("target_hidden_size", cfg.hidden_size) != cfg.hidden_size:
             raise SpecdecError(f"{source}: target_hidden_size differs from hidden_size (specdec shares the target's embedding)")
         return cfg
+
+    @classmethod
+    def from_speculators(cls, raw: dict, source: str) -> "Eagle3Config":
+        """A speculators Eagle3SpeculatorConfig, refused in one line where it asks for what this head does not
+        compute (another decoder layer, extra norms, its own trained embedding...)."""
+        if raw["speculators_model_type"] != "eagle3":
+            raise SpecdecError(f"{source}: a speculators {raw['speculators_model_type']!r} model; specdec runs eagle3 heads")
+        layer = LLAMA_DEFAULTS | {"model_type": "qwen3"} | (raw.get("transformer_layer_config") or {})  # qwen3: speculators' default
+        rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer["rope_theta"]}
+        heads = layer["num_attention_heads"]
+        hidden = layer["hidden_size"]
+        what_we_run = {
+            "transformer_layer_config.model_type": (layer["model_type"], "llama"),
+            "transformer_layer_config.num_hidden_layers": (layer["num_hidden_layers"], 1),
+            "transformer_layer_config.hidden_act": (layer["hidden_act"], "silu"),
+            "transformer_layer_config.attention_bias": (layer["attention_bias"], False),
+            "transformer_layer_config.mlp_bias": (layer["mlp_bias"], False),
+            "transformer_layer_config.rope_scaling": (layer.get("rope_scaling"), None),
+            "the RoPE type": (rope.get("rope_type", "default"), "default"),
+            "target_hidden_size": (raw.get("target_hidden_size") or hidden, hidden),
+            **{flag: (raw.get(flag, False), False)
+               for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "embed_requires_grad")},
+        }
+        for what, (theirs, ours) in what_we_run.items():
+            if theirs != ours:
+                raise SpecdecError(f"{source}: {what} {theirs!r} (specdec's EAGLE-3 head runs {ours!r} only)")
+        own = raw.get("specdec", {})
+        aux = raw.get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            hidden_size=hidden, intermediate_size=layer["intermediate_size"], num_heads=heads,
+            num_kv_heads=layer.get("num_key_value_heads") or heads, head_dim=layer.get("head_dim") or hidden // heads,
+            vocab_size=layer["vocab_size"], draft_vocab_size=raw.get("draft_vocab_size", DEFAULT_DRAFT_VOCAB),
+            aux_layer_ids=tuple(aux) if aux else (), target_num_layers=own.get("target_num_layers") or 0,
+            rms_norm_eps=layer["rms_norm_eps"], rope_theta=rope.get("rope_theta", layer["rope_theta"]),
+            max_position_embeddings=layer["max_position_embeddings"], target_fingerprint=own.get("target_fingerprint"),
+        )
 
     def check_target(self, target_cfg, fingerprint: str | None, source: str) -> None:
         """Refuse a head trained for another target, naming what differs."""
@@ -199,7 +257,7 @@ def draft_to_target(d2t: np.ndarray) -> np.ndarray:
 
 
 def save_head(path: str | Path, cfg: Eagle3Config, params: dict, d2t: np.ndarray, t2d: np.ndarray) -> Path:
-    """Write a head directory (config.json + model.safetensors in the vLLM/SGLang layout; the same files are
+    """Write a head directory (config.json + model.safetensors in the speculators format; the same files are
     specdec's own), atomically: a temporary directory renamed into place."""
     import os
     import shutil
@@ -210,9 +268,11 @@ def save_head(path: str | Path, cfg: Eagle3Config, params: dict, d2t: np.ndarray
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
-    tensors = {name: np.ascontiguousarray(np.asarray(params[name], np.float32)) for name in cfg.shapes()}
-    tensors["d2t"] = np.asarray(d2t, np.int64)
-    tensors["t2d"] = np.asarray(t2d, bool)
+    tensors = {name.replace("midlayer.", "layers.0."): np.ascontiguousarray(np.asarray(params[name], np.float32))
+               for name in cfg.shapes()}
+    if cfg.draft_vocab_size < cfg.vocab_size:  # speculators keeps no mapping for a full vocabulary
+        tensors["d2t"] = np.asarray(d2t, np.int64)
+        tensors["t2d"] = np.asarray(t2d, bool)
     save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     (tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_json(), indent=2))
     if path.exists():
@@ -235,9 +295,10 @@ class Eagle3Head:
 
 
 def load_head(path: str | Path) -> Eagle3Head:
-    """Read a head directory: specdec's own, or one exported for / by vLLM or SGLang (a `model.` prefix on
-    the layer names, a `layers.0.` in place of `midlayer.`, is accepted). Every tensor's name and shape is
-    checked; without d2t the draft vocabulary is the target's."""
+    """Read a head directory: specdec's own, one in the speculators format written elsewhere, or one in the older
+    EAGLE layout (`midlayer.` in place of `layers.0.`, a `model.` prefix on the layer names). Every tensor's name
+    and shape is checked; a stored embedding is not read (the target's is used); without d2t the draft
+    vocabulary is the target's."""
     from specdec.models.checkpoint import numpy_views
 
     directory = Path(path)
@@ -295,8 +356,11 @@ def random_head(cfg: Eagle3Config, seed: int = 0, d2t: np.ndarray | None = None)
 
 
 def load_for_target(path: str | Path, target_cfg, fingerprint: str | None) -> Eagle3Head:
-    """A head checked against the target it is to draft for."""
+    """A head checked against the target it is to draft for. One that names no target layers reads the defaults
+    for this target, as vLLM and speculators take it."""
     head = load_head(path)
+    if not head.cfg.aux_layer_ids:
+        head.cfg = dataclasses.replace(head.cfg, aux_layer_ids=default_aux_layer_ids(target_cfg.num_layers))
     head.cfg.check_target(target_cfg, fingerprint, str(path))
     return head
 

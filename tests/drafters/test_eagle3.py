@@ -204,17 +204,18 @@ def test_save_and_load_round_trip(head, tmp_path):
     np.testing.assert_array_equal(loaded.d2t, head.d2t)
     np.testing.assert_array_equal(loaded.t2d, head.t2d)
     raw = json.loads((path / "config.json").read_text())
-    assert raw["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(head.cfg.aux_layer_ids)
+    assert raw["speculators_model_type"] == "eagle3"  # tests/drafters/test_speculators_format.py: the whole format
+    assert raw["eagle_aux_hidden_state_layer_ids"] == list(head.cfg.aux_layer_ids)
 
 
 def test_bf16_heads_load_in_float32(head, tmp_path):
-    """Heads trained elsewhere are often saved in bf16 (vLLM layout, `model.` prefix): read as their values."""
+    """Heads trained elsewhere are often saved in bf16 (the older EAGLE layout, `model.midlayer.`): read as their
+    values."""
     from safetensors.torch import load_file, save_file
 
     path = save_head(tmp_path / "head", head.cfg, head.params, head.d2t, head.t2d)
     stored = load_file(path / "model.safetensors")
-    save_file({("model." + n if n.startswith("midlayer.") else n): t.bfloat16() if t.is_floating_point() else t
+    save_file({n.replace("layers.0.", "model.midlayer."): t.bfloat16() if t.is_floating_point() else t
                for n, t in stored.items()}, path / "model.safetensors")
     loaded = load_head(path)
     for name, value in head.params.items():

@@ -223,8 +223,8 @@ def test_export_round_trips_bit_exactly(trained, target, tmp_path):
         assert head.cfg.aux_layer_ids == default_aux_layer_ids(6)
         assert head.cfg.draft_vocab_size == 256
     raw = json.loads((tmp_path / "head" / "config.json").read_text())
-    assert raw["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(default_aux_layer_ids(6))
+    assert raw["speculators_model_type"] == "eagle3"
+    assert raw["eagle_aux_hidden_state_layer_ids"] == list(default_aux_layer_ids(6))
 
 
 # -- (d) offline equals online --------------------------------------------------------------------------
