@@ -647,7 +647,7 @@ def export_cmd(
     out: Path = typer.Argument(..., help="the head directory to write (config.json + model.safetensors)"),
     overwrite: bool = typer.Option(False, help="write into a directory holding other files: replace only the head's files there"),
 ):
-    """Export a training checkpoint as an EAGLE-3 head in the vLLM/SGLang layout."""
+    """Export a training checkpoint as an EAGLE-3 head in the speculators format, which vLLM reads."""
     from specdec.training.checkpoint import export_head
 
     err.print(f"wrote {export_head(checkpoint, out, overwrite)}", highlight=False, soft_wrap=True)

@@ -101,7 +101,7 @@ class Eagle3Config:
         return engine_taps(self.aux_layer_ids)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor of the head, under the vLLM/SGLang names, with its shape."""
+        """Every tensor of the head, under the older EAGLE layout's names (`midlayer.`), with its shape."""
         H, I, hd = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         return {

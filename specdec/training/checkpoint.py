@@ -1,7 +1,7 @@
 """Training checkpoints: everything a run needs to continue exactly, and export to a head directory.
 
 OUT/checkpoints/step_00000500/
-  state.safetensors   params/<name>        the head's float32 parameters (vLLM/SGLang names, eagle3.Eagle3Config.shapes)
+  state.safetensors   params/<name>        the head's float32 parameters (the EAGLE names, eagle3.Eagle3Config.shapes)
                       opt_state/<path>     every leaf of the optax state, named by jax.tree_util.keystr of its
                                            path in the pytree (e.g. "[1][0].mu['fc.weight']", "[1][0].count";
                                            scalars as shape [1]: safetensors has no 0-d tensors)
@@ -206,8 +206,8 @@ def restore_opt_state(ckpt: Checkpoint, template):
 
 
 def export_head(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
-    """A training checkpoint (or a training output directory's newest) as a head directory in the
-    vLLM/SGLang EAGLE-3 layout (eagle3.save_head): config.json + model.safetensors. An earlier export in `out` is
+    """A training checkpoint (or a training output directory's newest) as a head directory in the speculators
+    format, which vLLM reads (eagle3.save_head): config.json + model.safetensors. An earlier export in `out` is
     replaced; a directory holding other files is refused unless `overwrite`, which keeps them (specdec.output_dir)."""
     from specdec.drafters.eagle3 import CONFIG_NAME, WEIGHTS_NAME, save_head
     from specdec.output_dir import OutputDir
