@@ -29,9 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Flags the docs show ahead of the code that will take them: (subcommand path) -> flags. An entry can go once the
 # CLI has the flag; until then the pages may show it.
-PENDING_FLAGS: dict[tuple[str, ...], set[str]] = {
-    ("bench",): {"--drafter"},  # repeatable drafter specs, replacing --eagle3
-}
 # Subcommands that hand their arguments to a parser of their own: subcommand -> module whose main(argv) builds it.
 FORWARDED = {"roofline": "specdec.roofline"}
 NOT_SHELL = {"python", "py", "json", "yaml", "yml", "toml", "jinja"}  # fenced blocks whose lines are not commands
@@ -212,10 +209,9 @@ def invocations(snippet: str) -> list[list[str]]:
     return out
 
 
-def check_invocation(args: list[str], cli: dict, pending: dict | None = None) -> list[str]:
+def check_invocation(args: list[str], cli: dict) -> list[str]:
     """What is wrong with one `specdec` argument list: an unknown subcommand, or a flag it does not take. `cli` maps
     a subcommand to its flags (a set) or, for a group, to its subcommands (a dict)."""
-    pending = PENDING_FLAGS if pending is None else pending
     node, path, i = cli, (), 0
     while isinstance(node, dict):
         if i == len(args) or args[i].startswith("-"):
@@ -236,7 +232,7 @@ def check_invocation(args: list[str], cli: dict, pending: dict | None = None) ->
             continue
         for flag in arg.split("/"):
             flag = flag.split("=", 1)[0]
-            if flag not in node and flag != "--help" and flag not in pending.get(path, ()):
+            if flag not in node and flag != "--help":
                 problems.append(f"specdec {' '.join(path)}: no flag {flag}")
     return problems
 
@@ -282,7 +278,7 @@ def forwarded_flags(module: str) -> set[str]:
     return set(caught["parser"]._option_string_actions)
 
 
-def check_commands(page: Path, text: str, root: Path, cli: dict, pending: dict | None = None) -> list[str]:
+def check_commands(page: Path, text: str, root: Path, cli: dict) -> list[str]:
     problems = []
     for snippet in shown_commands(text):
         try:
@@ -291,7 +287,7 @@ def check_commands(page: Path, text: str, root: Path, cli: dict, pending: dict |
             problems.append(f"{page.relative_to(root)}: does not parse ({e}): {snippet}")
             continue
         problems += [f"{page.relative_to(root)}: {p}: {snippet}" for args in found
-                     for p in check_invocation(args, cli, pending)]
+                     for p in check_invocation(args, cli)]
     return problems
 
 
@@ -383,10 +379,6 @@ def test_the_checker_catches_a_flag_a_subcommand_does_not_take(tmp_path):
                 "specdec generate: no flag --gone", "unknown subcommand: specdec tran",
                 "specdec generate: no flag --drafter"]
     assert len(problems) == len(expected) and all(e in p for e, p in zip(expected, problems)), problems
-    assert check_commands(page, page.read_text(), tmp_path, FAKE_CLI,
-                          pending={("generate",): {"--no-such-flag", "--gone", "--drafter"},
-                                   ("train", "eagle3"): {"--steps"}}) == [
-        "docs/page.md: unknown subcommand: specdec tran: specdec tran eagle3"]
 
 
 def test_the_checker_reports_a_command_that_does_not_parse(tmp_path):
