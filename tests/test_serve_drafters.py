@@ -95,6 +95,38 @@ def test_served_drafter_answers_as_generate_does(setups, method, engine):
         server.stop()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", list(SPECS))
+def test_a_compiled_cuda_server_with_a_drafter_gives_plain_decodings_tokens(setups, method):
+    """What `specdec serve` runs on a GPU: bf16, compiled, each cycle one CUDA graph replay with the drafter's steps
+    captured in it. Requests that join and leave a 2-row server get the tokens the same engine gives them decoding
+    plainly."""
+    from specdec.drafters.registry import DrafterSource
+    from specdec.generate import StopCondition
+    from specdec.sampling import SamplingParams
+    from specdec.serve.scheduler import Scheduler
+
+    target_dir, drafter_dir = setups[method]
+    source = DrafterSource(f"{SPECS[method]}={drafter_dir}", target_dir)
+    target = specdec.load(target_dir, k_max=K, batch=2, max_seq_len=128, compile=True, hidden_layers=source.taps)
+    assert target.engine.use_graphs
+    prompts = [target.tokenizer.encode(p) for p in PROMPTS]
+
+    def served(speculative, drafter):
+        scheduler = Scheduler(target.engine, speculative, source=drafter)
+        scheduler.start()
+        try:
+            with ThreadPoolExecutor(len(prompts)) as pool:  # 3 requests on 2 rows
+                tokens = list(pool.map(lambda p: scheduler.generate(p, SamplingParams(), StopCondition(24)), prompts))
+            return tokens, scheduler.stats
+        finally:
+            scheduler.stop()
+
+    plain, _ = served(SpeculativeConfig(), None)
+    drafted, stats = served(SpeculativeConfig(method, K, str(drafter_dir)), source)
+    assert drafted == plain and stats.drafted > 0
+
+
 @pytest.mark.parametrize("config, needle", [
     ({"method": "eagle3", "num_speculative_tokens": 3}, '"model"'),
     ({"method": "mtp", "model": "/nonexistent", "num_speculative_tokens": 3}, "/nonexistent"),
