@@ -7,7 +7,7 @@ profile_cycle.py (plain decode only).
 
 Random weights cost what real ones do (shapes, not values, set a kernel's time). `--share-weights` gives every layer
 layer 0's weights of the named blocks: one layer's weights, which L2 holds, so the cycle then bounds what reading
-weights ahead into L2 can buy (docs/benchmarks.md). `--sources DIR` has XLA dump its optimized modules into DIR and
+weights ahead into L2 can buy (docs/journal). `--sources DIR` has XLA dump its optimized modules into DIR and
 names, for each kernel, the kinds of op XLA fused into it and the specdec lines they come from.
 """
 

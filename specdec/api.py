@@ -70,7 +70,7 @@ def load(
     plain decode's; `invariant=False` is faster on CPU but can differ at floating-point near-ties).
     `k_max`, the most drafts a cycle verifies, sets the invariant width every forward runs: k_max + 1 rounded up
     to 8 rows. On an H200, 16 rows (k_max 8-15) cost a plain step 3-4% more than 8 (k_max 1-7) on the 270M and
-    31B shapes (docs/benchmarks.md).
+    31B shapes (docs/journal).
 
     `compile` spends compile time on what many requests repay. Torch on CUDA: torch.compile fuses the forward
     before capturing CUDA graphs: about 2.5x faster decoding of the 270M, for about 45 s of
@@ -116,7 +116,7 @@ def load(
                            f"({path / 'config.json'}: max_position_embeddings)")
     start = time.perf_counter()
     # First, so that a missing tokenizer fails fast. In a thread beside the engine's load its parse would overlap
-    # nothing (it holds the GIL: docs/benchmarks.md); in a child process it does.
+    # nothing (it holds the GIL: docs/journal); in a child process it does.
     tokenizer = Tokenizer.from_dir(path, in_child=tokenizer_in_child)
     verifier, cfg = _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_layers, invariant,
                                  compile, tensor_parallel, tp_parts, fp8, graph_prefill)
@@ -155,7 +155,7 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
         from specdec.verifiers.jax_engine import PREFILL_CHUNK, JaxEngine
 
         # XLA reserves 75% of a GPU's memory when it first starts: 1-2 s of every command on an H200
-        # (docs/benchmarks.md, issue 8). Allocate on demand instead, unless the user has chosen.
+        # (docs/journal, issue 8). Allocate on demand instead, unless the user has chosen.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         if tp_parts is not None:  # read when JAX starts, before the first device is used below
             os.environ["XLA_FLAGS"] = with_parts_xla_flags(os.environ.get("XLA_FLAGS", ""))

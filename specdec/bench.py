@@ -316,7 +316,7 @@ CHILD_LINE = "specdec-bench "  # how a child's progress and results lines start 
 def _runs_in_child(engine: str, job: dict, step, advance) -> dict[Method, list[Run]]:
     """engine_runs in a process of its own, so that no engine runs beside another's memory, threads and compiled
     programs: JAX's cycle on the 270M took 0.700 ms after torch's runs in one process, against 0.603-0.610 alone on
-    another H200 (docs/benchmarks.md). The child reports its progress and results as lines on its stdout; its other
+    another H200 (docs/journal). The child reports its progress and results as lines on its stdout; its other
     output goes to stderr, as its errors do."""
     import json
     import subprocess

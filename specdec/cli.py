@@ -582,7 +582,7 @@ def train_eagle3_cmd(
     stop_after: Optional[int] = typer.Option(None, hidden=True, help="stop after this many steps, as if killed (tests)"),
 ):
     """Train an EAGLE-3 head on distilled data (JAX, data parallel over every device); resumable. Writes
-    checkpoints and OUT/head, the head in the vLLM/SGLang layout (generate --drafter eagle3=OUT/head)."""
+    checkpoints and OUT/head, the head in the speculators format vLLM loads (generate --drafter eagle3=OUT/head)."""
     from specdec.training.config import TrainConfig
     from specdec.training.trainer import train_eagle3
 
@@ -605,7 +605,7 @@ def train_eagle3_cmd(
 @train_app.command("eagle3-eval")
 @user_errors
 def eagle3_eval_cmd(
-    head: Path = typer.Option(..., help="an EAGLE-3 head directory (specdec's or the vLLM/SGLang layout)"),
+    head: Path = typer.Option(..., help="an EAGLE-3 head directory (the speculators format, or the older EAGLE layout)"),
     data: Path = typer.Option(..., help="distilled data (specdec distill) to evaluate on: every row"),
     target: Optional[Path] = typer.Option(None, help=TARGET_HELP + " (the one the data was distilled from)"),
     batch_size: int = typer.Option(32, help="sequences per forward"),

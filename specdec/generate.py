@@ -1,4 +1,4 @@
-"""The speculative loop (DESIGN.md, "The cycle") and its statistics.
+"""The speculative loop (docs/design.md, "The cycle") and its statistics.
 
 One loop serves both engines and every drafter; with k = 0 each cycle is a plain one-token decode.
 Per cycle there is one host synchronisation: reading the accepted counts and the next tokens, which the

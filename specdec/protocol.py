@@ -1,4 +1,4 @@
-"""The draft/verify protocol every drafter and both engines implement (see DESIGN.md, "The cycle").
+"""The draft/verify protocol every drafter and both engines implement (see docs/design.md, "The cycle").
 
 State per row: committed tokens (in the verifier's KV cache) and one pending token (emitted, not yet in
 the cache). A cycle:

@@ -17,7 +17,7 @@ weights are held once and JAX's allocator does not meet torch's. The caches hold
 a sliding ring is never longer than the context, so the 31B's ring of 1,088 slots needs `--context 1088` or more.
 
 Random weights cost what real ones do (shapes, not values, set the time). Shapes of the 31B and E4B are
-assumed (no released configs could be read here; docs/benchmarks.md).
+assumed (no released configs could be read here; docs/journal).
 
 Verify cost against T (`--verify-widths 1,5,8`): the time of one T-token verify forward at a fixed position,
 with per-width forwards (not the invariant width), each width its own engine: in JAX an engine of k_max T-1
@@ -177,7 +177,7 @@ def time_plain_decode(cycle, prompt: list[int], args, first_steps: int, warm_up:
     """Mean and median seconds per plain decode step over --steps and the first --tokens greedy tokens, all on
     one cycle, after a first run that compiles (its time logged as `first_run`). One cycle, as a user's process
     runs one: after a later capture, a process's torch cycle graphs sometimes replay 10% slower for the rest of it
-    (H100 and H200, docs/benchmarks.md), and a fresh cycle to time would make the timed graph the second captured."""
+    (H100 and H200, docs/journal), and a fresh cycle to time would make the timed graph the second captured."""
     start = time.perf_counter()
     seconds_per_step(cycle, prompt, first_steps, warm_up)
     log(f"  {first_run} in {time.perf_counter() - start:.1f} s")

@@ -111,7 +111,7 @@ def check_tp_parts(cfg: "GemmaConfig", parts: int, devices: int) -> None:
 # JAX on GPUs: XLA times candidate algorithms for each GEMM of a program and keeps the fastest, and picked another
 # for a part's product on 1 H200 than on 2: other logits. With no timing (autotune level 0) it picks by shape, and 1
 # and 2 H200s computed the same bits, but its untimed Triton GEMMs made the 2-GPU step 3.7x slower; with cuBLAS for
-# every GEMM as well, 1 and 2 H200s computed the same bits at 1.05x the step without parts (docs/benchmarks.md,
+# every GEMM as well, 1 and 2 H200s computed the same bits at 1.05x the step without parts (docs/journal,
 # issue 11). XLA reads them when JAX starts.
 PARTS_GPU_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false")
 
@@ -213,7 +213,7 @@ class GemmaConfig:
     def cache_slots(self, max_seq_len: int, k_max: int, lookahead: int = 0) -> dict[str, int]:
         """KV-cache slots per layer kind: full layers hold every position; sliding layers a ring of
         window + decode_width(k_max) - 1, so neither a rejected draft nor a pad row written past the
-        committed length overwrites a position still inside a query's window (DESIGN.md, "Rules that keep
+        committed length overwrites a position still inside a query's window (docs/design.md, "Rules that keep
         it lossless"). `lookahead` more slots for a cache whose decode forwards chain that many positions
         past the committed length before it catches up (a model drafter's draft steps).
 

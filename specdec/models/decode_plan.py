@@ -15,7 +15,7 @@ MAX_HEAD_DIM = 256  # 512-wide heads (E4B's full layers) ran slower than the pro
 # Caches of at most this many slots (the 31B's sliding ring of 1,088 among them): a block a split. Longer ones (long
 # contexts) loop over blocks in each program. The torch engine takes none of them: that lost to its products on the
 # 31B's ring in 16-token forwards. The JAX engine takes them: the 270M's 4,096-slot caches ran faster than XLA's
-# attention (docs/benchmarks.md).
+# attention (docs/journal).
 MAX_SLOTS = MAX_SPLITS * BLOCK_S
 WIDE_PROGRAMS = 128  # from this many (KV head, split) programs, each takes all of a head's value columns
 
@@ -40,7 +40,7 @@ def plan(slots: int, head_dim: int, kv_heads: int) -> dict:
     where there are at most MAX_SPLITS blocks, and 128 value columns a program unless the heads and splits make
     WIDE_PROGRAMS programs without them: a program of all the columns reads its keys once. Swept by
     scripts/tune_decode_attention.py: within 0.2 us of the fastest partials kernel on the 270M's layers (0.7 us on
-    E4B's, H200), and the fastest on the 31B's ring in a one-token forward (H100; docs/benchmarks.md)."""
+    E4B's, H200), and the fastest on the 31B's ring in a one-token forward (H100; docs/journal)."""
     chunk = split_slots(slots)
     splits = -(-slots // chunk)
     wide = kv_heads * splits >= WIDE_PROGRAMS

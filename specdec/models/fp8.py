@@ -5,7 +5,7 @@ row over its scale, rounded to nearest. A product reads the values, converted ex
 accumulates in float32, and multiplies each output column by its row's scale before rounding:
 `y = round((x @ values.T) * scale)`. So the weights move at one byte each, and the scale costs one multiply a
 column. Both engines follow this spec (jax_fp8, torch_fp8); dequantizing a weight before its product would write the
-whole bf16 weight every step, about 3x slower than bf16 (docs/benchmarks.md).
+whole bf16 weight every step, about 3x slower than bf16 (docs/journal).
 
 What is quantized: every linear whose rows are output features (the attention and MLP projections, Gemma 4's
 per-layer gates and projections, the LM head). Norms, token tables (a lookup reads one row), MoE experts and the

@@ -1,7 +1,7 @@
 """A JAX decode forward's attention over the static cache as three Pallas kernels (Triton on GPUs).
 
 XLA ran a sliding layer's decode attention on the 270M as five kernels: the scores' product, the masked softmax, the
-value product split over the slots, its reduction and a transpose (docs/benchmarks.md). This is the flash-decoding
+value product split over the slots, its reduction and a transpose (docs/journal). This is the flash-decoding
 split the torch engine runs (decode_attention), with the same blocks (decode_plan): each program scores a block of
 slots against 16 query rows of one KV head, masks them by the positions the slots hold against each row's lowest and
 highest attended position, and keeps its own float32 softmax maximum, sum and value product. A second kernel combines

@@ -5,7 +5,7 @@ gelu_tanh(gate) * up (1.4 us a layer on the 270M, 1.5 on E4B, H200), and down's 
 as one: a program takes BLOCK_COLUMNS features of gate and the same features of up, reduces whole rows of both
 weights against the rows of x, and applies the GELU to its own outputs. On E4B it moves the weight at XLA's GEMM's
 rate, so the GELU's kernel is what it saves. The 31B's 462 MB weight XLA moves at the copy rate, and there the
-kernel took 122 us against XLA's 110, which is why it takes weights of at most MAX_WEIGHT_BYTES (docs/benchmarks.md).
+kernel took 122 us against XLA's 110, which is why it takes weights of at most MAX_WEIGHT_BYTES (docs/journal).
 
 A program's dot takes BLOCK_ROWS rows, the forward's and masked ones, and what it computes for a row depends on
 that row alone, so a row's bits do not depend on the forward's other rows. Forwards of more rows (batches of more than
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from specdec.models.jax_decode_attention import interpreting, on_device, rounded, summed_splits
 
 BLOCK_ROWS = 16  # a Triton dot's rows at least, and the most a forward may have here
-# Swept on E4B's and the 270M's layers (H200): other columns, stages and warps ran slower (docs/benchmarks.md)
+# Swept on E4B's and the 270M's layers (H200): other columns, stages and warps ran slower (docs/journal)
 BLOCK_COLUMNS = 32  # features of gate (and of up) a program: 320 programs on E4B's 10,240, 64 on the 270M's 2,048
 BLOCK_REDUCTION = 128  # the reduction a step, 3 steps in flight
 MAX_WEIGHT_BYTES = 128 << 20  # E4B's 105 MB; not the 31B's 462 MB
@@ -94,7 +94,7 @@ def gated(x, weight):
 
 # -- Gemma 4's per-layer gate ------------------------------------------------------------------------------------
 # E4B's gate is 256 features of 2,560: split by features alone, 16 programs each streamed 82 KB, and took 7.3 us
-# against the 6.3 of XLA's product and its fusion for the GELU times the input (H200, docs/benchmarks.md). So the
+# against the 6.3 of XLA's product and its fusion for the GELU times the input (H200, docs/journal). So the
 # reduction is split over programs too, and the last program of a block of features to arrive adds the splits'
 # partials in order: 5.1 us for XLA's two kernels, E4B's JAX cycle 0.7% shorter. Swept: 32 features, 128 or 512
 # of the reduction, and 1, 2 or 8 warps ran slower.

@@ -4,7 +4,7 @@ A Gemma layer adds a normed product to its residual twice, and norms the sum for
 `x = residual + post_attention_norm(attn)` and `pre_feedforward_norm(x)`; after down_proj (or, with per-layer inputs,
 the per-layer projection), `x = residual + post_norm(h)`, Gemma 4's layer scalar, and the next layer's input norm.
 XLA ran the first as one kernel and the second as two on the 270M, and took 3.4-5.1 us a kernel on E4B's wider rows
-(docs/benchmarks.md). residual_norms runs each as one, a program a row, which also adds the splits of the product's
+(docs/journal). residual_norms runs each as one, a program a row, which also adds the splits of the product's
 reduction (decode_plan.reduction_splits) that XLA had fused into its norms.
 
 Triton's loads are powers of two, and hidden sizes are not (640, 2,560, 5,376): a row is read and written in

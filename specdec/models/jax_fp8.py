@@ -1,6 +1,6 @@
 """FP8 weights in JAX (the spec: specdec.models.fp8): an Fp8Weight pytree, quantization and the scaled product. XLA
 fuses the values' conversion into its GEMM: on an H200, the 31B's down and gate/up products 1.5x and 2.0x faster
-than bf16's (docs/benchmarks.md)."""
+than bf16's (docs/journal)."""
 
 from __future__ import annotations
 

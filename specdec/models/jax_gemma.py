@@ -237,7 +237,7 @@ def _columns(weight, start: int, stop: int):
 # 8 rows: E4B 0.45% shorter in 8 (a 52 MB weight), the whole 31B 1.1% (231 MB) and in FP8 4.0% (115 MB); E4B in FP8
 # (26 MB) 1.2% longer, the 270M (2.6 MB) within its runs' spread. At 16 rows the add of 8 slices grows: E4B 0.6%
 # longer, the 31B's first six layers still 1.8% shorter, 3.3% in FP8. 16 slices were slower on E4B: the add grew
-# more than the kernel it absorbed (docs/benchmarks.md).
+# more than the kernel it absorbed (docs/journal).
 DOWN_SPLITS, DOWN_SPLIT_BYTES = 8, 32 << 20
 
 
@@ -267,7 +267,7 @@ def _split_product(x, weight, multiple: int = 64, most: int = MOST_SPLITS):
 def _split_linear(x, weight):
     """_linear's product as _split_product's slices, added in order in float32 and rounded once. XLA ran the 270M's
     gate/up (640 -> 4,096) as one GEMM in 8 x 64 tiles, 64 programs on 132 SMs: 4.2 us on an H200. In 4 slices of
-    160 it takes 3.7, in 2 of 320 4.0 (docs/benchmarks.md); q/k/v keeps slices of a multiple of 64, as its kernel
+    160 it takes 3.7, in 2 of 320 4.0 (docs/journal); q/k/v keeps slices of a multiple of 64, as its kernel
     adds 4 slices slower than 2."""
     partials = _split_product(x, weight, multiple=32)
     if partials.shape[0] == 1:
@@ -634,7 +634,7 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
     weights of up to 8 MB into L2 for the products ahead (jax_decode_attention.prefetched): attention's partials the
     layer's o_proj, gate/up and down, and the layer's last kernel the next layer's q/k/v. XLA's products wait on
     entry for the kernel before them, so they cannot load their weights early; from L2 they start sooner (a 270M
-    cycle 2.8% shorter on an H200, docs/benchmarks.md)."""
+    cycle 2.8% shorter on an H200, docs/journal)."""
     p = f"layers.{spec.index}."
     norm = lambda name, v: _rms_norm(v, params[p + name + ".weight"], cfg)  # noqa: E731
     kernel = ctx["commit_first"] and parts is None and jax_decode_norms.takes(cfg.hidden_size, x.dtype)

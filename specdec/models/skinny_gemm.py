@@ -4,7 +4,7 @@ Under programmatic dependent launch (PDL, Hopper on; torch_engine turns it on fo
 is launched while the one before it still runs and waits in-kernel (`griddepcontrol.wait`) before it reads that
 kernel's output. A weight is no kernel's output: this kernel loads its tile of the weight first, then waits, then
 reads the rows of x, so the weight streams in while the previous kernel (a norm, RoPE, the GELU) finishes. The 270M's
-layer products move 1-5 MB each and took 3.3 us as cuBLAS's batched GEMM, mostly latency (docs/benchmarks.md, issue
+layer products move 1-5 MB each and took 3.3 us as cuBLAS's batched GEMM, mostly latency (docs/journal, issue
 11). cuBLAS's kernels are not launched that way.
 
 Each program computes one block of output columns of one slice of the reduction, in float32, over the whole slice:
@@ -21,23 +21,23 @@ import torch
 
 from specdec.models.decode_plan import SPLIT_MAX_ROWS
 
-MAX_WEIGHT_BYTES = 8 * 2**20  # larger weights stream as fast or faster through cuBLAS (docs/benchmarks.md)
+MAX_WEIGHT_BYTES = 8 * 2**20  # larger weights stream as fast or faster through cuBLAS (docs/journal)
 SLICE = 256  # reduction elements per slice: one load of the weight tile, one product
 MAX_SPLITS = 16  # slices at most (the kernels that read the products add them)
 MAX_TILE = 128 * 128  # weight elements a program holds
 # Rows a program at most; more rows (a server's decode forward) take a block of them each. A row's bits depend on
 # the column block and the slice's steps alone: the same in blocks of 16, 32 or 64 rows, at 8 to 128 rows, for the
 # 270M's and E4B's products (H200). At 64 rows, blocks of 64 ran the 270M's four products in 20.9 us, blocks of 32
-# in 22.6, cuBLAS in 26.1 (docs/benchmarks.md).
+# in 22.6, cuBLAS in 26.1 (docs/journal).
 ROW_BLOCK = 64
 # A static forward of up to this many rows (a server's 8 rows of 8 tokens) takes the kernel for bf16 weights too:
 # a row then keeps its bits whatever the number of rows, so a server may run its cycles over the rows in use
 # (torch_engine.FusedCycle's widths). Not 128 (a 16-row server): reading each weight once per block of 64 rows made
-# that server's full cycle 6.4% longer than cuBLAS's (H200, docs/benchmarks.md), so it keeps cycles over every row.
+# that server's full cycle 6.4% longer than cuBLAS's (H200, docs/journal), so it keeps cycles over every row.
 WIDE_MAX_ROWS = 64
 # FP8 weights, of any size (fp8_splits, plan): 32 columns a program, stepping through its slice 128 deep in a loop
 # pipelined 4 deep. Swept by scripts/tune_fp8_products.py on an H200 over 20 products of the 270M, E4B and the 31B:
-# the fastest block for 18 of them (docs/benchmarks.md).
+# the fastest block for 18 of them (docs/journal).
 FP8_BLOCK_N, FP8_BLOCK_K, FP8_STAGES = 32, 128, 4
 FP8_PROGRAMS = 1024  # programs an FP8 product aims for: about 8 a SM on an H100's or H200's 132
 FP8_MIN_PART = 128
@@ -66,7 +66,7 @@ def _kernel():
         byte's sign to bit 15 and its exponent and mantissa 4 bits down make a bf16 of the value times 2^-120
         (e4m3's subnormals become bf16's), which one bf16x2 multiply by 2^120 makes the value, exactly. Triton's
         convert (to f16, then f32, then bf16) took 9-14% longer on the 31B's layer products
-        (docs/benchmarks.md)."""
+        (docs/journal)."""
         if weight.dtype == tl.float8e4nv and dtype == tl.bfloat16:  # constants: one branch is compiled
             result = tl.inline_asm_elementwise(
                 """
@@ -173,7 +173,7 @@ def plan(rows: int, columns: int, splits: int, part: int, processors: int, items
     slice in one step where it fits, and the widest column block that still gives every SM a program (the weight then
     streams through all of them). Blocks of at least 16, as tensor-core products need. Swept by
     scripts/tune_skinny_gemm.py on an H100: within 0.7 us of the best
-    configuration for the products it takes, and 0.8-2.0 us faster than the batched GEMM (docs/benchmarks.md).
+    configuration for the products it takes, and 0.8-2.0 us faster than the batched GEMM (docs/journal).
     FP8 weights (`itemsize` 1) take FP8_BLOCK_N and FP8_BLOCK_K, pipelined where the slice takes several steps."""
     block_m = min(max(16, 1 << (rows - 1).bit_length()), ROW_BLOCK)
     if itemsize == 1:

@@ -4,7 +4,7 @@ One forward runs T new tokens per row at absolute positions against the cache as
 their keys/values. Nothing is allocated per token on the host and every shape is fixed by (B, T), so a
 forward of a given T can be captured in a CUDA graph and replayed.
 
-Cache semantics (shared with the JAX model, see DESIGN.md):
+Cache semantics (shared with the JAX model, see docs/design.md, "The KV cache"):
 - sliding layers keep a ring of at least `window + k_max` slots (a rejected draft never overwrites a
   position still inside the next query's window; GemmaConfig.cache_slots); full layers keep every position
   (both rounded up to whole splits of the decode attention's blocks). Each slot stores the absolute position
@@ -77,7 +77,7 @@ ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_li
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T. On the CPU in float32, by oneDNN: MKL's GEMM behind F.linear took 2.7x as long for the real
-    270M's LM head at a decode forward's 8 rows on 2 cores (docs/benchmarks.md). Autograd and torch.compile keep
+    270M's LM head at a decode forward's 8 rows on 2 cores (docs/journal). Autograd and torch.compile keep
     F.linear (inductor lowers oneDNN's op only for frozen weights)."""
     if (ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
             and not torch.compiler.is_compiling()
@@ -91,7 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     forward's few rows on a GPU, cuBLAS runs one tile per 128 output columns, so a weight of few columns (an o_proj,
     E4B's attention and per-layer projections, the 270M's layers) leaves most SMs idle: 0.2-2.2 TB/s on an H200.
     Compiled, the reduction there is split in slices whose products the kernel that reads them adds in float32
-    (docs/benchmarks.md, issue 11): on Hopper, for bf16 weights up to skinny_gemm.MAX_WEIGHT_BYTES and FP8 weights
+    (docs/journal, issue 11): on Hopper, for bf16 weights up to skinny_gemm.MAX_WEIGHT_BYTES and FP8 weights
     of any size, by skinny_gemm's kernel, which loads the weight while the kernel before it finishes (for bf16, a
     server's decode forwards of up to skinny_gemm.WIDE_MAX_ROWS rows too); else as a batched GEMM over
     `reduction_splits` slices. Eagerly, those adds would be kernels of their own, so it stays one GEMM."""

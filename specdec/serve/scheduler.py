@@ -43,7 +43,7 @@ log = logging.getLogger("specdec.serve")
 
 # A JAX server's default cycles a call. A call costs the host ~0.7 ms (its ~230 arrays), about a 270M cycle's
 # device time at 8 rows; two cycles a call served 5-14% more tokens/s to 1-8 clients on an H200, and a request
-# waits at most one call longer to join (docs/benchmarks.md). A torch cycle is one graph replay.
+# waits at most one call longer to join (docs/journal). A torch cycle is one graph replay.
 JAX_CYCLES_PER_CALL = 2
 
 

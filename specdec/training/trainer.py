@@ -3,7 +3,7 @@
     specdec train eagle3 --data DIR --out DIR [--target DIR] [--config run.yaml] [--steps N] ...
 
 Writes OUT/checkpoints/step_N/ (specdec.training.checkpoint) every `save_every` steps and at the end,
-OUT/head/ (the head in the vLLM/SGLang EAGLE-3 layout, `specdec generate --drafter eagle3=OUT/head`),
+OUT/head/ (the head in the speculators format vLLM loads, `specdec generate --drafter eagle3=OUT/head`),
 OUT/train_log.jsonl (the metrics of every logged step) and, with `eval_rows`, OUT/eval_log.jsonl: the same
 metrics over rows held out from training (teacher-forced, every TTT step), every `eval_every` steps. Their
 gap to the training metrics is how much the head memorises its data rather than learning the target. A

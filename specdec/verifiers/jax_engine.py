@@ -136,7 +136,7 @@ def pack_on_devices(params: Params, mesh: Mesh, parts: Parts) -> Params:
     """jax_gemma.pack_projections(params, parts.count) of weights split by row over the mesh, each device packing
     its own rows: a device holds consecutive whole parts, so its rows packed part by part are its block of the
     packed whole. Packing the whole 31B on one GPU before splitting it held the packed projections beside the
-    weights there, and then that GPU's block as well: more than an H200 holds (docs/benchmarks.md)."""
+    weights there, and then that GPU's block as well: more than an H200 holds (docs/journal)."""
     return pack_projections(params, pack=lambda weights: _row_packer(mesh, parts.local, len(weights))(*weights))
 
 
@@ -212,7 +212,7 @@ def pack_results(results: StepResult) -> jax.Array:
     """StepResults stacked over cycles -> one int32 array [cycles, B, 4 + k]: per row num_accepted, next_token,
     draft_len, whether the cycle prefilled, then the draft. The host reads a call's results as one transfer, which
     starts when the call is dispatched: at one cycle per call (a server's), reading five arrays took 0.53 ms a call
-    on an H200, this one 0.17 ms, and a token 0.71 ms against 1.28 (docs/benchmarks.md)."""
+    on an H200, this one 0.17 ms, and a token 0.71 ms against 1.28 (docs/journal)."""
     cycles, B = results.num_accepted.shape
     prefill = jnp.broadcast_to(results.prefill[:, None], (cycles, B))
     columns = [results.num_accepted, results.next_token, results.draft_len, prefill]
@@ -312,7 +312,7 @@ class JaxEngine:
         if self.fp8 and self.parts is not None and jax.default_backend() == "gpu":
             # PARTS_GPU_XLA_FLAGS turn XLA's Triton GEMMs off, and cuBLAS takes no FP8 weight beside bf16 rows
             warnings.warn("FP8 weights in tensor-parallel parts on GPUs ran 2.6x slower than on one GPU in the JAX "
-                          "engine (cuBLAS's products, docs/benchmarks.md); the torch engine's parts ran 1.46x faster "
+                          "engine (cuBLAS's products, docs/journal); the torch engine's parts ran 1.46x faster "
                           "on two GPUs", stacklevel=2)
         if self.parts is not None and jax.default_backend() == "gpu" and (
                 not set(PARTS_GPU_XLA_FLAGS) <= set(os.environ.get("XLA_FLAGS", "").split())):
@@ -383,7 +383,7 @@ class JaxEngine:
     def start_transfer(self) -> None:
         """Start from_checkpoint's background transfer, if it has not started. JaxFusedCycle.compile_ahead
         starts it once its programs are lowered: started before, the transfer delayed the compile's start by
-        about 0.5 s on an H200 (docs/benchmarks.md, issue 8)."""
+        about 0.5 s on an H200 (docs/journal, issue 8)."""
         if self._transfer is not None:
             pool = ThreadPoolExecutor(1)
             self._in_transfer = pool.submit(self._transfer)

@@ -68,7 +68,7 @@ def _configure_compile(model: GemmaModel | None = None) -> None:
         V.set_choices_handler(wide_persistent_reductions())
     # Programmatic dependent launch (inductor's, on Hopper and later): each Triton kernel is launched while the
     # one before it drains, and waits in-kernel for the values it reads. The same kernels in the same order, so
-    # the same bits; a 270M cycle on an H100 took 0.800 ms without, 0.721-0.728 with (docs/benchmarks.md, issue
+    # the same bits; a 270M cycle on an H100 took 0.800 ms without, 0.721-0.728 with (docs/journal, issue
     # 11). TORCHINDUCTOR_ENABLE_PDL, where set, decides instead.
     if hasattr(config.triton, "enable_pdl") and "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
         config.triton.enable_pdl = True
@@ -91,7 +91,7 @@ def _configure_compile(model: GemmaModel | None = None) -> None:
     # launch where there were two. Its block sizes are chosen per compiled graph, and every decode forward runs at
     # the engine's one width, so a row's bits still do not depend on how many tokens a forward verifies (the GPU
     # row-invariance tests pass with it). On an H100 the 270M's cycle ran 191 kernels in 0.565 ms of GPU time where
-    # it ran 215 in 0.589 (docs/benchmarks.md, issue 11). Triton's alone (GPUs). Not in a process that holds
+    # it ran 215 in 0.589 (docs/journal, issue 11). Triton's alone (GPUs). Not in a process that holds
     # tensor-parallel parts (emulate_precision_casts, set above, stays set for it, as later calls without a model,
     # `compiled`'s, must not switch them back on): a combined kernel shares block sizes across what it combines,
     # and which kernels meet depends on where collectives cut the program, so a reduction's layout could differ
@@ -250,7 +250,7 @@ class TorchEngine:
         (GemmaConfig.cache_slots), for an engine that drafts (specdec.drafters.model). `graph_prefill` (a compiled
         engine on a GPU): prefill chunks replayed as CUDA graphs, a prompt's prefill about 2.5x shorter on the 270M (~6
         ms to ~2.4), but every decode cycle in the same process ~60 us (12%) longer on an H200, for a cause not yet
-        found (docs/benchmarks.md): it pays where requests are short, and costs past ~60 cycles a request."""
+        found (docs/journal): it pays where requests are short, and costs past ~60 cycles a request."""
         self.model = model
         self.lookahead = lookahead
         self.cfg = model.cfg

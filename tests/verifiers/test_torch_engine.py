@@ -177,7 +177,7 @@ def test_an_invariant_engines_decode_forward_is_compiled_static_after_a_dynamic_
                                                                                         monkeypatch):
     """A compiled prefill (dynamic in the chunk's length) runs the forward's code first; the decode forward of an
     invariant engine, one width, still compiles with static shapes. Left to dynamo it came out dynamic in T, which
-    cost the 270M's cycle 7 us on an H200 (docs/benchmarks.md). An engine whose widths vary gets a dynamic one."""
+    cost the 270M's cycle 7 us on an H200 (docs/journal). An engine whose widths vary gets a dynamic one."""
     dynamic_graphs = []
 
     def recording(graph_module, example_inputs):  # dynamic: an input's traced shape holds a symbol
