@@ -2,8 +2,14 @@ import os
 
 import pytest
 
-# CPU threads: CI has 2 cores; keep torch from oversubscribing when xdist runs workers.
+# CPU threads: CI has 2 cores; keep torch from oversubscribing them.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_configure(config):
+    """Under xdist (the README's `-n 2`) each worker process takes one core: before its test modules import torch."""
+    if hasattr(config, "workerinput"):
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):
