@@ -37,12 +37,7 @@ def write_byte_tokenizer(directory, config=None):
     vocab.update({f"<0x{b:02X}>": 5 + b for b in range(256)})
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
-    backend.add_special_tokens(["<pad>", "<eos>", "<bos>", "<unk>"])
-    directory.mkdir(exist_ok=True)
-    backend.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<bos>", "eos_token": {"content": "<eos>"}, **(config or {})}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
+    return _save_tokenizer(backend, directory, config)
 
 
 def write_ascii_tokenizer(directory, vocab_size: int, config=None):
@@ -57,6 +52,11 @@ def write_ascii_tokenizer(directory, vocab_size: int, config=None):
     vocab.update({f"<unused{i}>": i for i in range(len(vocab), vocab_size)})
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
+    return _save_tokenizer(backend, directory, config)
+
+
+def _save_tokenizer(backend, directory, config):
+    """tokenizer.json and a tokenizer_config.json naming <bos> and <eos> (and `config`'s keys) in `directory`."""
     backend.add_special_tokens(["<pad>", "<eos>", "<bos>", "<unk>"])
     directory.mkdir(exist_ok=True)
     backend.save(str(directory / "tokenizer.json"))
