@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, engine_taps, load_head, random_head
+from specdec.drafters.eagle3 import Eagle3Config, engine_taps, load_head, random_head
+from specdec.drafters.eagle3_drafter import Eagle3Drafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.evidence import git_commit, now_utc
 from specdec.generate import StopCondition

@@ -44,11 +44,11 @@ class DrafterKind:
 KINDS = {kind.name: kind for kind in (
     DrafterKind("ngram", "n-gram", "prompt lookup in the text so far",
                 "specdec.drafters.ngram", vllm_method="ngram", options=("prompt_lookup_min", "prompt_lookup_max")),
-    DrafterKind("eagle3", "EAGLE-3", "an EAGLE-3 head trained for this target", "specdec.drafters.eagle3",
+    DrafterKind("eagle3", "EAGLE-3", "an EAGLE-3 head trained for this target", "specdec.drafters.eagle3_drafter",
                 "the head's directory", "eagle3"),
     DrafterKind("model", "model", "a smaller Gemma of the target's tokenizer", "specdec.drafters.model",
                 "the drafter checkpoint's directory", "draft_model"),
-    DrafterKind("mtp", "MTP", "a Gemma 4 MTP assistant", "specdec.drafters.mtp", "the assistant checkpoint's directory",
+    DrafterKind("mtp", "MTP", "a Gemma 4 MTP assistant", "specdec.drafters.mtp_drafter", "the assistant checkpoint's directory",
                 "mtp"),
 )}
 

@@ -14,7 +14,8 @@ import torch
 
 from specdec.drafters import eagle3_jax as ej
 from specdec.drafters import eagle3_torch as et
-from specdec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, load_head, load_for_target, random_head, save_head
+from specdec.drafters.eagle3 import Eagle3Config, load_head, load_for_target, random_head, save_head
+from specdec.drafters.eagle3_drafter import Eagle3Drafter
 from specdec.errors import SpecdecError
 from specdec.generate import HostCycle, StopCondition, run_cycles
 from specdec.models.checkpoint import checkpoint_fingerprint

@@ -394,7 +394,7 @@ def test_cuda_graph_mtp_cycle_matches_eager(assistant_dirs, random_checkpoints, 
     cfg = GemmaConfig.from_file(target_dir / "config.json")
     model = GemmaModel.from_checkpoint(target_dir, dtype=getattr(torch, dtype), device="cuda", max_seq_len=64)
     assistant = load_assistant(assistant_dirs[("gemma4_e", True)])
-    from specdec.drafters.mtp import MtpDrafter
+    from specdec.drafters.mtp_drafter import MtpDrafter
 
     runs = {}
     for graphs in (False, True):

@@ -4,7 +4,8 @@ output stays the plain decode's."""
 
 import numpy as np
 
-from specdec.drafters.eagle3 import Eagle3Drafter, Eagle3Head, load_head
+from specdec.drafters.eagle3 import Eagle3Head, load_head
+from specdec.drafters.eagle3_drafter import Eagle3Drafter
 from specdec.generate import HostCycle, StopCondition, run_cycles
 from specdec.models.torch_gemma import GemmaModel
 from specdec.sampling import SamplingParams

@@ -59,9 +59,9 @@ class Served:
     state (for a model drafter, the target's own weights both)."""
 
     def __init__(self, request, kind: str, framework: str):
-        from specdec.drafters.eagle3 import Eagle3Drafter
+        from specdec.drafters.eagle3_drafter import Eagle3Drafter
         from specdec.drafters.model import ModelDrafter, drafter_engine
-        from specdec.drafters.mtp import MtpDrafter
+        from specdec.drafters.mtp_drafter import MtpDrafter
 
         checkpoints = request.getfixturevalue("random_checkpoints")
         if kind == "eagle3":

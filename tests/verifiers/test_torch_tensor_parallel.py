@@ -61,7 +61,8 @@ WORKER = textwrap.dedent("""
         return run_cycles(HostCycle(verifier, drafter, 4, SamplingParams()), [prompt], 4, StopCondition(48)).tokens[0], drafts
 
     # An EAGLE-3 head embeds its drafts with the target's (vocabulary-split) embedding table.
-    from specdec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, random_head
+    from specdec.drafters.eagle3 import Eagle3Config, random_head
+    from specdec.drafters.eagle3_drafter import Eagle3Drafter
     from specdec.models.config import GemmaConfig
 
     head = random_head(Eagle3Config.for_target(GemmaConfig.from_file(f"{ckpt}/config.json"), draft_vocab_size=256), seed=1)
@@ -70,7 +71,8 @@ WORKER = textwrap.dedent("""
     # A Gemma 4 MTP assistant reads the target's (split) KV cache with its query heads of those KV heads.
     mtp = mtp_drafts = None
     if assistant != "none":
-        from specdec.drafters.mtp import MtpDrafter, load_assistant, mtp_taps
+        from specdec.drafters.mtp import load_assistant, mtp_taps
+        from specdec.drafters.mtp_drafter import MtpDrafter
 
         mtp_engine = TorchEngine(model, max_seq_len=256, k_max=4, hidden_layers=mtp_taps(model.cfg))
         mtp, mtp_drafts = drafted_run(MtpDrafter(load_assistant(assistant), mtp_engine, 4, SamplingParams()), mtp_engine)
