@@ -145,9 +145,8 @@ def test_fp8_weights_in_our_engines(ckpt, prompts_file, tmp_path, monkeypatch):
     assert "our linears in FP8" in stdout
 
 
-@pytest.fixture
-def fake_engine(monkeypatch):
-    """specdec.load/generate stand-ins (no model): the speculative output differs from plain at token 2."""
+def stand_in_engine(monkeypatch, tokens):
+    """specdec.load/generate stand-ins (no model) whose decode of k drafts and n new tokens is tokens(k, n)."""
 
     class Loaded:
         tokenizer = None
@@ -155,10 +154,16 @@ def fake_engine(monkeypatch):
 
     def generate(prompt, target, drafter, k, max_new_tokens):
         stats = SpecStats(k=k, cycles=2, emitted=3, kept=3, decode_s=0.1)
-        return [prompt], Generation([[5, 6, 7] if k == 0 else [5, 6, 8]], stats)
+        return [prompt], Generation([tokens(k, max_new_tokens)], stats)
 
     monkeypatch.setattr(specdec, "load", lambda *args, **kwargs: Loaded())
     monkeypatch.setattr(specdec, "generate", generate)
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    """Stand-ins whose speculative output differs from plain at token 2."""
+    stand_in_engine(monkeypatch, lambda k, n: [5, 6, 7] if k == 0 else [5, 6, 8])
 
 
 def test_a_difference_from_plain_decoding_fails_loudly(fake_engine, prompts_file, tmp_path):
@@ -192,18 +197,8 @@ def test_prompts_from_datasets(fake_engine, tmp_path):
 
 @pytest.fixture
 def identical_engine(monkeypatch):
-    """specdec.load/generate stand-ins (no model) whose speculative output is the plain decode's: 5, 6, 7, ..."""
-
-    class Loaded:
-        tokenizer = None
-        engine = SimpleNamespace(warm_up_prefill=lambda: None)
-
-    def generate(prompt, target, drafter, k, max_new_tokens):
-        return [prompt], Generation([list(range(5, 5 + max_new_tokens))], SpecStats(k=k, cycles=2, emitted=3, kept=3,
-                                                                                 decode_s=0.1))
-
-    monkeypatch.setattr(specdec, "load", lambda *args, **kwargs: Loaded())
-    monkeypatch.setattr(specdec, "generate", generate)
+    """Stand-ins whose speculative output is the plain decode's: 5, 6, 7, ..."""
+    stand_in_engine(monkeypatch, lambda k, n: list(range(5, 5 + n)))
 
 
 def stand_in_module(monkeypatch, name: str, **attributes) -> None:
