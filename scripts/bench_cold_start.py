@@ -74,7 +74,7 @@ def main() -> None:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         env["PYTHONPYCACHEPREFIX"] = args.pycache
         subprocess.run([sys.executable, "-c", "import torch, jax, jax.numpy, specdec.cli, specdec.api, "
-                        "specdec.verifiers.torch_engine, specdec.verifiers.jax_engine"], env=env, check=True)
+                        "specdec.engines.verifier_torch, specdec.engines.verifier_jax"], env=env, check=True)
     results = []
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):

@@ -78,9 +78,10 @@ def bench_torch(args, prompts, ks, rows, save) -> None:
     import torch
 
     from specdec.drafters.ngram import NgramDrafter
+    from specdec.engines.cycle_torch import FusedCycle
+    from specdec.engines.verifier_torch import TorchEngine
     from specdec.generate import StopCondition, run_cycles
-    from specdec.models.torch_gemma import GemmaModel
-    from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
+    from specdec.models.gemma_torch import GemmaModel
 
     n = args.new_tokens
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -115,7 +116,7 @@ def bench_jax(args, prompts, ks, rows, save) -> None:
     import jax.numpy as jnp
 
     from specdec.drafters.ngram import NgramDrafter
-    from specdec.verifiers.jax_engine import JaxEngine
+    from specdec.engines.verifier_jax import JaxEngine
 
     n = args.new_tokens
     for mode, invariant in MODES.items():

@@ -1,5 +1,5 @@
 """16-row bf16 products on a GPU (a decode forward's invariant width): F.linear (cuBLAS) against the reduction
-split into a batched GEMM over S slices of the input (torch_gemma.split_products), the slices' products
+split into a batched GEMM over S slices of the input (gemma_torch.split_products), the slices' products
 not yet summed (bmmS_us: in the compiled engine the kernel that reads them adds them), and on Hopper
 skinny_gemm's kernel for the same slices (kernelS_us; each call launched under PDL, so it loads its weight while
 the call before it runs). Each timed in a CUDA graph that cycles through at least 200 MB of weight copies, so L2
@@ -14,9 +14,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from specdec.engines.verifier_torch import capture_graph
 from specdec.models import skinny_gemm
-from specdec.models.torch_gemma import split_products
-from specdec.verifiers.torch_engine import capture_graph
+from specdec.models.gemma_torch import split_products
 
 ROWS = 16
 SHAPES = {  # output columns, reduction

@@ -25,14 +25,14 @@ import torch
 from specdec.drafters.eagle3 import Eagle3Config, engine_taps, load_head, random_head
 from specdec.drafters.eagle3_drafter import Eagle3Drafter
 from specdec.drafters.ngram import NgramDrafter
+from specdec.engines.cycle_torch import FusedCycle
+from specdec.engines.verifier_torch import TorchEngine
 from specdec.evidence import git_commit, now_utc
 from specdec.generate import StopCondition
 from specdec.models.config import GemmaConfig, decode_width
-from specdec.models.torch_gemma import GemmaModel
+from specdec.models.gemma_torch import GemmaModel
 from specdec.roofline import median_seconds
 from specdec.sampling import SamplingParams
-from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
-
 
 
 def log(msg: str) -> None:

@@ -28,11 +28,12 @@ import jax
 import numpy as np
 
 from specdec import compile_cache
+from specdec.engines.cycle_jax import CYCLES_PER_CALL, JaxFusedCycle
+from specdec.engines.verifier_jax import JaxEngine
 from specdec.evidence import git_commit, now_utc
 from specdec.generate import StopCondition
 from specdec.models.config import GemmaConfig
-from specdec.models.jax_gemma import load_params, random_params
-from specdec.verifiers.jax_engine import CYCLES_PER_CALL, JaxEngine, JaxFusedCycle
+from specdec.models.gemma_jax import load_params, random_params
 
 
 def traced(run) -> tuple:

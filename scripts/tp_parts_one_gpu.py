@@ -30,19 +30,19 @@ def rank_main(rank: int, world: int, port: str, layers: int, parts: int | None, 
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     from specdec import roofline
     from specdec.api import leave_distributed
-    from specdec.models import torch_gemma
+    from specdec.engines.verifier_torch import TorchEngine
+    from specdec.models import gemma_torch
     from specdec.models.config import GemmaConfig
     from specdec.protocol import DEFAULT_DRAFTS
-    from specdec.verifiers.torch_engine import TorchEngine
 
     # gloo moves host tensors: the model's collectives go through host memory (this check's transport only).
-    gather, reduce = torch_gemma._gather_first, torch_gemma.sum_across
-    torch_gemma._gather_first = lambda x, group: gather(x.cpu(), group).to(x.device)
-    torch_gemma.sum_across = lambda x, group: x if group is None else reduce(x.cpu(), group).to(x.device)
+    gather, reduce = gemma_torch._gather_first, gemma_torch.sum_across
+    gemma_torch._gather_first = lambda x, group: gather(x.cpu(), group).to(x.device)
+    gemma_torch.sum_across = lambda x, group: x if group is None else reduce(x.cpu(), group).to(x.device)
 
     cfg = GemmaConfig.from_dict(dict(roofline.GEMMA4_TINY if tiny else roofline.GEMMA4_31B, num_hidden_layers=layers))
     prompt = [cfg.bos_token_id] + np.random.default_rng(0).integers(3, cfg.vocab_size, 127).tolist()
-    model = torch_gemma.GemmaModel.random(cfg, torch.bfloat16, device, roofline.CONTEXT, tp_parts=parts,
+    model = gemma_torch.GemmaModel.random(cfg, torch.bfloat16, device, roofline.CONTEXT, tp_parts=parts,
                                           tp_group=dist.group.WORLD if world > 1 else None)
     # CUDA graphs cannot capture gloo's host copies: 2 ranks call the compiled forward directly (same kernels).
     engine = TorchEngine(model, max_seq_len=roofline.CONTEXT, k_max=DEFAULT_DRAFTS, compile=compile,

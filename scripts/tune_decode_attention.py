@@ -19,7 +19,7 @@ import torch
 import triton
 
 from specdec.evidence import git_commit, now_utc
-from specdec.models import decode_attention, decode_plan
+from specdec.models import decode_attention_torch, decode_plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_split_reduction import graph_us  # noqa: E402
@@ -62,17 +62,17 @@ def chain_us(config: dict, q, keys, values, stored, lowest, highest, groups: int
     """us per (rows kernel, attention kernel of `config`) pair, LAYERS of them back to back in one CUDA graph; with
     `combine_blocks` (rows, value columns), each followed by the combine kernel in those blocks."""
     src, rows = q.clone(), q.view(-1, q.shape[-1])
-    partials = decode_attention.empty_partials(q, config["splits"])
+    partials = decode_attention_torch.empty_partials(q, config["splits"])
     out = q.new_empty(q.shape[0], q.shape[2] // groups, q.shape[1] * groups * q.shape[3])
     block = triton.next_power_of_2(q.shape[-1])
 
     def chain():
         for layer in range(LAYERS):
             rows_kernel[(rows.shape[0],)](src, q, q.shape[-1], BLOCK=block, launch_pdl=True)
-            decode_attention.launch(q, keys[layer], values[layer], stored, lowest, highest, 0.0625, groups, config,
+            decode_attention_torch.launch(q, keys[layer], values[layer], stored, lowest, highest, 0.0625, groups, config,
                                     partials)
             if combine_blocks is not None:
-                decode_attention.combine(partials, out, groups, *combine_blocks)
+                decode_attention_torch.combine(partials, out, groups, *combine_blocks)
 
     return graph_us(chain, LAYERS, 5)
 
@@ -80,14 +80,14 @@ def chain_us(config: dict, q, keys, values, stored, lowest, highest, groups: int
 def whole_us(q, keys, values, stored, lowest, highest, groups: int) -> dict:
     """us per layer of the compiled attention after a compiled elementwise kernel: plan()'s kernel and combine, and
     the products and softmax it replaces."""
-    from specdec.verifiers.torch_engine import _configure_compile
+    from specdec.engines.verifier_torch import _configure_compile
 
     _configure_compile()
     mask = ((stored[:, None, :] >= lowest[:, :, None]) & (stored[:, None, :] <= highest[:, :, None]))
     mask = mask.repeat_interleave(groups, dim=1)[:, None]
 
     def kernel(x, keys, values):
-        out = decode_attention.attend((x.float() * 1.5).to(x.dtype), keys, values, stored, lowest, highest, 0.0625,
+        out = decode_attention_torch.attend((x.float() * 1.5).to(x.dtype), keys, values, stored, lowest, highest, 0.0625,
                                       groups)
         return out.view(x.shape)  # the next layer's query
 
@@ -112,7 +112,7 @@ def whole_us(q, keys, values, stored, lowest, highest, groups: int) -> dict:
 
 def main(out: str, names: list[str], token_counts: list[int], plan_only: bool) -> None:
     results = []
-    ours = (decode_attention.COMBINE_BLOCK_M, decode_attention.COMBINE_D_BLOCK)
+    ours = (decode_attention_torch.COMBINE_BLOCK_M, decode_attention_torch.COMBINE_D_BLOCK)
     for tokens, name in itertools.product(token_counts, names or SHAPES):
         nkv, groups, slots, head_dim, window = SHAPES[name]
         tensors = inputs(nkv, groups, slots, head_dim, window, tokens)

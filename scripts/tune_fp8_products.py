@@ -1,7 +1,7 @@
 """FP8 products of a decode forward's few rows in the torch engine (skinny_gemm's kernel with FP8 weights and their
 scales), measured as tune_skinny_gemm.py measures: each product after a short PDL kernel that writes its rows, in CUDA
 graphs cycling through at least 200 MB of weight copies. Per shape: cuBLAS's bf16 product, the product the bf16
-engine runs (torch_gemma.linear, compiled), the FP8 kernel at what skinny_gemm.fp8_splits() and plan() pick, and a sweep
+engine runs (gemma_torch.linear, compiled), the FP8 kernel at what skinny_gemm.fp8_splits() and plan() pick, and a sweep
 of its slices and blocks (a loop over the slice pipelined STAGES deep where it takes several steps). us per (kernel,
 product) pair, and the FP8 weight's TB/s.
 
@@ -20,8 +20,8 @@ import torch
 import triton
 
 from specdec.evidence import git_commit, now_utc
-from specdec.models import skinny_gemm, torch_fp8
-from specdec.models.torch_gemma import linear
+from specdec.models import fp8_torch, skinny_gemm
+from specdec.models.gemma_torch import linear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_split_reduction import SHAPES as BENCH_SHAPES  # noqa: E402
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="", help="comma-separated prefixes of shape names (default: all)")
     parser.add_argument("--budget-s", type=float, default=500, help="stop sweeping once this much time has passed")
     args = parser.parse_args()
-    from specdec.verifiers.torch_engine import _configure_compile
+    from specdec.engines.verifier_torch import _configure_compile
 
     _configure_compile()
     for limit in ("recompile_limit", "cache_size_limit"):  # one compiled linear per shape and dtype
@@ -81,12 +81,12 @@ def main() -> None:
         row["engine_bf16_us"] = us_per_pair(engine, weights, src, x)
         del weights
         # as many copies at a byte a weight: (values, scale) pairs of at least 200 MB
-        weights = [torch_fp8.quantize(w) for w in weight_copies(columns, reduction, 400_000_000)]
+        weights = [fp8_torch.quantize(w) for w in weight_copies(columns, reduction, 400_000_000)]
         splits = skinny_gemm.fp8_splits(ROWS, columns, reduction)
         config = skinny_gemm.plan(ROWS, columns, splits, reduction // splits, processors, itemsize=1)
         row["plan"] = dict(splits=splits, **config)
         row["plan_fp8_us"] = us_per_pair(lambda x, w: engine(x, *w), weights, src, x)
-        reference = torch_fp8.product(src.float(), *weights[0]).double()  # float32 arithmetic, cuBLAS
+        reference = fp8_torch.product(src.float(), *weights[0]).double()  # float32 arithmetic, cuBLAS
         error = (engine(src, *weights[0]).double() - reference).abs().max() / reference.abs().max()
         row["plan_fp8_error"] = float(error)  # relative to the largest output: bf16 rounding, ~2^-9
         sweep = []

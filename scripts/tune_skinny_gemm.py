@@ -1,7 +1,7 @@
 """Block sizes for skinny_gemm's split products, measured as a decode forward runs them: each product's rows written
 by a short kernel just before it (a stand-in for the norm or GELU a layer runs there, launched under PDL as
 inductor's are), so the product can load its weight while that kernel runs. Every (splits, BLOCK_N, BLOCK_K)
-of each shape, against cuBLAS's product and the batched GEMM (torch_gemma.reduction_splits) after the same
+of each shape, against cuBLAS's product and the batched GEMM (gemma_torch.reduction_splits) after the same
 kernel, in CUDA graphs cycling through at least 100 MB of weight copies (L2 holds none). Prints the best per shape
 and what splits() and plan() pick; us per (kernel, product) pair.
 
@@ -19,11 +19,12 @@ import triton.language as tl
 
 from specdec.evidence import git_commit, now_utc
 from specdec.models import skinny_gemm
-from specdec.models.torch_gemma import reduction_splits, split_products
+from specdec.models.gemma_torch import reduction_splits, split_products
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_split_reduction import ROWS, graph_us, weight_copies  # noqa: E402
+from bench_split_reduction import ROWS  # noqa: E402
 from bench_split_reduction import SHAPES as BENCH_SHAPES  # noqa: E402
+from bench_split_reduction import graph_us, weight_copies
 
 SHAPES = {name: shape for name, shape in BENCH_SHAPES.items()  # the 270M's and E4B's, but E4B's gate/up (105 MB)
           if name.startswith("270m") or (name.startswith("e4b") and "gate/up" not in name)}

@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 from specdec.drafters.registry import DrafterSource
 from specdec.errors import SpecdecError
 from specdec.generate import Generation, HostCycle, StopCondition, check_context, run_cycles
-from specdec.models.gguf_import import resolve_checkpoint
 from specdec.models.config import GemmaConfig, decode_width, with_parts_xla_flags
+from specdec.models.gguf_import import resolve_checkpoint
 from specdec.models.tokenizer import Tokenizer
 from specdec.protocol import DEFAULT_DRAFTS
 from specdec.sampling import SamplingParams
@@ -135,8 +135,8 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
     if engine == "torch":
         import torch
 
-        from specdec.models.torch_gemma import GemmaModel
-        from specdec.verifiers.torch_engine import TorchEngine
+        from specdec.engines.verifier_torch import TorchEngine
+        from specdec.models.gemma_torch import GemmaModel
 
         tp_group = _torch_tp_group(tensor_parallel)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -152,7 +152,7 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
                                graph_prefill=graph_prefill)
         cfg = model.cfg
     else:
-        from specdec.verifiers.jax_engine import PREFILL_CHUNK, JaxEngine
+        from specdec.engines.verifier_jax import PREFILL_CHUNK, JaxEngine
 
         # XLA reserves 75% of a GPU's memory when it first starts: 1-2 s of every command on an H200
         # (docs/journal, issue 8). Allocate on demand instead, unless the user has chosen.
@@ -164,7 +164,7 @@ def _load_engine(path, engine, device, dtype, k_max, max_seq_len, batch, hidden_
         if tensor_parallel > 1:
             import jax
 
-            from specdec.verifiers.jax_engine import make_mesh
+            from specdec.models.sharding_jax import make_mesh
 
             if tensor_parallel > len(jax.devices()):
                 raise SpecdecError(f"tensor parallelism over {tensor_parallel} devices, but JAX sees {len(jax.devices())}")
@@ -258,10 +258,10 @@ def make_cycle(target: Target, drafter: str | DrafterSource, k: int, sampling: S
         return HostCycle(target.engine, draft, k, sampling)
     draft_fn = draft.device_draft_fn(target.engine_name, k) if draft is not None else None
     if target.engine_name == "jax":
-        from specdec.verifiers.jax_engine import JaxFusedCycle
+        from specdec.engines.cycle_jax import JaxFusedCycle
 
         return JaxFusedCycle(target.engine, draft_fn, k, sampling)
-    from specdec.verifiers.torch_engine import FusedCycle
+    from specdec.engines.cycle_torch import FusedCycle
 
     return FusedCycle(target.engine, draft_fn, k, sampling)
 

@@ -165,8 +165,8 @@ def validate(
     from specdec import gates
     from specdec.data.sources import read_prompts
     from specdec.drafters.registry import DrafterSource
-    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.evidence import git_commit, now_utc
+    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.models.tokenizer import Tokenizer
     from specdec.progress import LoggedProgress
 
@@ -321,12 +321,12 @@ def _gate_engines(engine, path, device, dtype, k_max, context, invariant, hidden
     loaded = specdec.load(path, engine=engine, device=device, dtype=dtype, k_max=k_max, max_seq_len=context,
                           invariant=invariant, fp8=fp8)
     if engine == "torch":
-        from specdec.verifiers.torch_engine import TorchEngine
+        from specdec.engines.verifier_torch import TorchEngine
 
         model = loaded.engine.model
         return (gates.torch_engines(model, k_max=k_max, invariant=invariant, hidden_layers=hidden_layers),
                 lambda rows: TorchEngine(model, batch=rows, max_seq_len=context, k_max=2, hidden_layers=hidden_layers))
-    from specdec.verifiers.jax_engine import JaxEngine
+    from specdec.engines.verifier_jax import JaxEngine
 
     jax_engine = loaded.engine
     return (gates.jax_engines(jax_engine, k_max=k_max, invariant=invariant, hidden_layers=hidden_layers),
@@ -672,8 +672,8 @@ def inspect(target: Optional[Path] = typer.Option(None, help=TARGET_HELP)):
     """Print a checkpoint's resolved configuration, layer by layer."""
     from rich.table import Table
 
-    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.models.config import GemmaConfig
+    from specdec.models.gguf_import import resolve_checkpoint
 
     path = resolve_checkpoint(target)
     cfg = GemmaConfig.from_file(path / "config.json")

@@ -291,13 +291,13 @@ def framework_rules(framework: str) -> tuple[AcceptRule, WarpRule]:
     if framework == "torch":
         import torch
 
-        from specdec.acceptance import torch_rule
+        from specdec.acceptance import rule_torch
 
         def accept(draft_tokens, draft_len, draft_probs, target_logits, params, seed):
             seeds, positions = _row_keys(len(draft_tokens), seed)
-            uniform = torch_rule.keyed_uniform(torch.from_numpy(seeds), torch.from_numpy(positions),
+            uniform = rule_torch.keyed_uniform(torch.from_numpy(seeds), torch.from_numpy(positions),
                                                draft_tokens.shape[1] + 1)
-            outputs = torch_rule.accept_sampled(
+            outputs = rule_torch.accept_sampled(
                 torch.from_numpy(draft_tokens), torch.from_numpy(draft_len),
                 None if draft_probs is None else torch.from_numpy(draft_probs),
                 torch.from_numpy(target_logits), params, uniform,
@@ -305,17 +305,17 @@ def framework_rules(framework: str) -> tuple[AcceptRule, WarpRule]:
             return tuple(x.numpy() for x in outputs)
 
         def warp(logits, params):
-            return torch_rule.warp_probs(torch.from_numpy(logits), params).numpy()
+            return rule_torch.warp_probs(torch.from_numpy(logits), params).numpy()
 
         return accept, warp
     if framework == "jax":
         import jax
 
-        from specdec.acceptance import jax_rule
+        from specdec.acceptance import rule_jax
 
-        accept_jit = jax.jit(jax_rule.accept_sampled, static_argnames="params")
-        keyed_jit = jax.jit(jax_rule.keyed_uniform, static_argnums=2)
-        warp_jit = jax.jit(jax_rule.warp_probs, static_argnames="params")
+        accept_jit = jax.jit(rule_jax.accept_sampled, static_argnames="params")
+        keyed_jit = jax.jit(rule_jax.keyed_uniform, static_argnums=2)
+        warp_jit = jax.jit(rule_jax.warp_probs, static_argnames="params")
 
         def accept(draft_tokens, draft_len, draft_probs, target_logits, params, seed):
             seeds, positions = _row_keys(len(draft_tokens), seed)
@@ -511,7 +511,7 @@ def gate_sampled_speculation(cycle, prompt: list[int], k: int, params: SamplingP
 def torch_engines(model, graphs: bool | None = None, k_max: int = 8, invariant: bool = True,
                   hidden_layers: tuple[int, ...] = ()) -> list[EngineUnderTest]:
     """The PyTorch engine eager, and graphed too on CUDA (returning `hidden_layers` for a drafter that reads them)."""
-    from specdec.verifiers.torch_engine import TorchEngine
+    from specdec.engines.verifier_torch import TorchEngine
 
     modes = [False, True] if (graphs is None and model.embed_tokens.weight.is_cuda) else [bool(graphs)]
     return [
@@ -529,7 +529,7 @@ def torch_engines(model, graphs: bool | None = None, k_max: int = 8, invariant: 
 
 def jax_engines(engine, k_max: int = 8, invariant: bool = True, hidden_layers: tuple[int, ...] = ()) -> list[EngineUnderTest]:
     """The JAX engine; its plain decode is the fused on-device loop (one dispatch per generation)."""
-    from specdec.verifiers.jax_engine import JaxEngine
+    from specdec.engines.verifier_jax import JaxEngine
 
     return [
         EngineUnderTest(
@@ -572,9 +572,9 @@ def gate_sampled_drafter(engine, build, prompt: list[int], k: int = 2,
     (specdec.drafters.registry.DrafterSource.build)."""
     drafter = build(engine, k, params)
     if drafter.framework == "jax":
-        from specdec.verifiers.jax_engine import JaxFusedCycle as Cycle
+        from specdec.engines.cycle_jax import JaxFusedCycle as Cycle
     else:
-        from specdec.verifiers.torch_engine import FusedCycle as Cycle
+        from specdec.engines.cycle_torch import FusedCycle as Cycle
     # Two tokens a row are all the gate reads: JAX runs one cycle per call, not 8.
     extra = {"cycles_per_call": 1} if drafter.framework == "jax" else {}
     cycle = Cycle(engine, drafter.device_draft_fn(drafter.framework, k), k, params, **extra)

@@ -149,7 +149,7 @@ class _Ops:
             import jax
             import jax.numpy as jnp
 
-            from specdec.acceptance import jax_rule as rule
+            from specdec.acceptance import rule_jax as rule
 
             self.xp = jnp
             # Compiled once per shape: the rules run every cycle.
@@ -159,7 +159,7 @@ class _Ops:
         else:
             import torch
 
-            from specdec.acceptance import torch_rule as rule
+            from specdec.acceptance import rule_torch as rule
 
             self.xp = torch
             self.accept_greedy, self.accept_sampled = rule.accept_greedy, rule.accept_sampled

@@ -84,12 +84,38 @@ class Drafter(Protocol):
         ...
 
 
-# A drafter that can run on the device, inside a fused loop (one CUDA graph replay per cycle, or a JAX
-# while_loop), offers a pure function of the device token buffer:
-#     draft_fn(tokens [B, L], context_len [B]) -> (draft [B, k], draft_len [B])
-# where tokens[b, :context_len[b]] is row b's context (prompt + emitted, the pending token last) and k is
-# fixed when the function is made. Fixed shapes, no host synchronisation.
-DeviceDraftFn = Any
+class DraftFn(Protocol):
+    """A stateless device drafter (n-gram lookup): a pure function of the device token buffer, run inside a fused
+    cycle (one CUDA graph replay per cycle, or a JAX loop) with fixed shapes and no host synchronisation.
+    tokens[b, :context_len[b]] is row b's context (prompt + emitted, the pending token last); k is fixed when the
+    function is made."""
+
+    def __call__(self, tokens: Array, context_len: Array) -> tuple[Array, Array]:
+        """-> (draft [B, k], draft_len [B])."""
+        ...
+
+
+@runtime_checkable
+class DeviceState(Protocol):
+    """A stateful device drafter (an EAGLE-3 head's, a model drafter's or an MTP assistant's state on the device):
+    the cycle begins it, drafts from it and updates it after each verify, over every row. Each framework's full
+    method list is in specdec.drafters.stateful."""
+
+    sampling: Any  # SamplingParams of its drafts: greedy drafts are a point mass for every row's rule
+
+    def begin(self, *args) -> Any: ...
+
+    def draft(self, *args) -> Any: ...
+
+    def observe(self, *args) -> Any: ...
+
+
+DeviceDraftFn = DraftFn | DeviceState  # what DeviceDrafter.device_draft_fn gives the fused cycles
+
+
+def is_device_state(draft_fn: DeviceDraftFn | None) -> bool:
+    """Whether a fused cycle's drafter is a device state (DeviceState) rather than a function (DraftFn)."""
+    return isinstance(draft_fn, DeviceState)
 
 
 class LoadedDrafter(Protocol):

@@ -224,8 +224,9 @@ def measure_torch(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int
     """None on the ranks past the first of a tensor-parallel run (the first reports)."""
     import torch
 
-    from specdec.models.torch_gemma import GemmaModel
-    from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
+    from specdec.engines.cycle_torch import FusedCycle
+    from specdec.engines.verifier_torch import TorchEngine
+    from specdec.models.gemma_torch import GemmaModel
 
     cuda = torch.cuda.is_available() and not args.tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -282,8 +283,10 @@ def measure_jax(cfg, checkpoint: Path | None, prompt: list[int], args, tp: int) 
     import jax.numpy as jnp
 
     import specdec.compile_cache as compile_cache
-    from specdec.models.jax_gemma import load_params, random_params
-    from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle, make_mesh
+    from specdec.engines.cycle_jax import JaxFusedCycle
+    from specdec.engines.verifier_jax import JaxEngine
+    from specdec.models.gemma_jax import load_params, random_params
+    from specdec.models.sharding_jax import make_mesh
 
     compile_cache.enable_jax()
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" and not args.tiny else jnp.float32

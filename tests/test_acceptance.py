@@ -13,18 +13,18 @@ from tests import oracle
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
-from specdec.acceptance import jax_rule, torch_rule  # noqa: E402
-from specdec.verifiers.torch_engine import capture_graph  # noqa: E402
+from specdec.acceptance import rule_jax, rule_torch  # noqa: E402
+from specdec.engines.verifier_torch import capture_graph  # noqa: E402
 
 
 class TorchRules:
     @staticmethod
     def warp_probs(logits, params):
-        return torch_rule.warp_probs(torch.from_numpy(logits), params).numpy()
+        return rule_torch.warp_probs(torch.from_numpy(logits), params).numpy()
 
     @staticmethod
     def accept_greedy(draft_tokens, draft_len, target_logits):
-        outputs = torch_rule.accept_greedy(
+        outputs = rule_torch.accept_greedy(
             torch.from_numpy(draft_tokens), torch.from_numpy(draft_len),
             torch.from_numpy(target_logits),
         )
@@ -35,8 +35,8 @@ class TorchRules:
 
 class JaxRules:
     # Always under jit, as the fused loop runs them.
-    _warp = staticmethod(jax.jit(jax_rule.warp_probs, static_argnames="params"))
-    _greedy = staticmethod(jax.jit(jax_rule.accept_greedy))
+    _warp = staticmethod(jax.jit(rule_jax.warp_probs, static_argnames="params"))
+    _greedy = staticmethod(jax.jit(rule_jax.accept_greedy))
 
     @classmethod
     def warp_probs(cls, logits, params):
@@ -98,7 +98,7 @@ def test_torch_warp_matches_hugging_face(params):
     for warper in warpers:
         scores = warper(None, scores)
     want = torch.softmax(scores, dim=-1)
-    torch.testing.assert_close(torch_rule.warp_probs(logits, params), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(rule_torch.warp_probs(logits, params), want, atol=1e-6, rtol=0)
 
 
 def test_argmax_returns_the_lowest_tied_index():
@@ -127,10 +127,10 @@ def test_compiled_greedy_token_is_argmax_with_lowest_id(vocab):
     """Traced by torch.compile (the eager backend runs what dynamo traces), greedy_token takes its two passes
     and still gives torch.argmax's token, NaN and ties included."""
     logits = _wide_rows(vocab)
-    compiled = torch.compile(torch_rule.greedy_token, backend="eager", fullgraph=True)
+    compiled = torch.compile(rule_torch.greedy_token, backend="eager", fullgraph=True)
     want = logits.argmax(dim=-1)
     assert torch.equal(compiled(logits), want)
-    assert torch.equal(torch_rule.greedy_token(logits), want)
+    assert torch.equal(rule_torch.greedy_token(logits), want)
     assert want[0, 0] == 5 and want[0, 1] == vocab // 2 + 7 and want[0, 2] == vocab * 3 // 4
 
 
@@ -241,8 +241,8 @@ def test_keyed_draws_are_the_spec_hash_in_both_frameworks():
     seeds, positions = zip(*KEYED_CASES)
     words = seed_words(list(seeds))
     lanes = 7
-    got_torch = torch_rule.keyed_uniform(torch.from_numpy(words), torch.tensor(positions), lanes).numpy()
-    got_jax = np.asarray(jax.jit(jax_rule.keyed_uniform, static_argnums=2)(
+    got_torch = rule_torch.keyed_uniform(torch.from_numpy(words), torch.tensor(positions), lanes).numpy()
+    got_jax = np.asarray(jax.jit(rule_jax.keyed_uniform, static_argnums=2)(
         words.astype(np.uint32), np.asarray(positions, np.int32), lanes))
     want = np.array([[oracle.keyed_uniform(s, p, j) for j in range(lanes)] for s, p in KEYED_CASES], np.float32)
     np.testing.assert_array_equal(got_torch, want)
@@ -254,9 +254,9 @@ def test_keyed_draws_are_uniform_over_seeds_positions_and_lanes():
     one key at a time: the seed, the position, the lane."""
     n = 2**12
     draws = [
-        torch_rule.keyed_uniform(torch.from_numpy(seed_words(list(range(n)))), torch.zeros(n, dtype=torch.long), 64),
-        torch_rule.keyed_uniform(torch.from_numpy(seed_words([7] * n)), torch.arange(n), 64),
-        torch_rule.keyed_uniform(torch.from_numpy(seed_words([7])), torch.tensor([3]), 64 * n),
+        rule_torch.keyed_uniform(torch.from_numpy(seed_words(list(range(n)))), torch.zeros(n, dtype=torch.long), 64),
+        rule_torch.keyed_uniform(torch.from_numpy(seed_words([7] * n)), torch.arange(n), 64),
+        rule_torch.keyed_uniform(torch.from_numpy(seed_words([7])), torch.tensor([3]), 64 * n),
     ]
     for uniform in draws:
         counts = np.bincount((uniform.numpy().ravel() * 64).astype(int), minlength=64)
@@ -289,10 +289,10 @@ def test_inverse_cdf_draws_by_cumulative_weight_and_never_a_token_without_weight
     weights[1, :] = 0
     weights[1, [1, vocab // 2, vocab - 2]] = [1e-30, 1.0, 1e-30]  # the last weighted token adds nothing to the sum
     cumulative = np.cumsum(weights.astype(np.float64), axis=-1)
-    jax_draw = jax.jit(jax_rule._inverse_cdf)
+    jax_draw = jax.jit(rule_jax._inverse_cdf)
     for u in (0.0, 0.25, 0.5, 0.75, 1 - 2.0**-24):
         uniform = np.full(4, u, np.float32)
-        for tokens in (torch_rule._inverse_cdf(torch.from_numpy(weights), torch.from_numpy(uniform)).numpy(),
+        for tokens in (rule_torch._inverse_cdf(torch.from_numpy(weights), torch.from_numpy(uniform)).numpy(),
                        np.asarray(jax_draw(weights, uniform))):
             assert (weights[np.arange(4), tokens] > 0).all(), (u, tokens)
             if 0 < u < 0.9:  # away from rounding: the exact inverse CDF
@@ -312,14 +312,14 @@ def test_per_row_settings_give_each_row_what_its_own_settings_give(device):
     logits = torch.from_numpy(rng.normal(0, 2, (batch, k + 1, vocab)).astype(np.float32)).to(device)
     draft_tokens = torch.from_numpy(rng.integers(0, vocab, (batch, k))).to(device)
     draft_len = torch.full((batch,), k, device=device)
-    per_row = torch_rule.RowSampling.of(rows, device)
-    warped = torch_rule.warp_probs(logits, per_row)
+    per_row = rule_torch.RowSampling.of(rows, device)
+    warped = rule_torch.warp_probs(logits, per_row)
     seeds = torch.from_numpy(seed_words(list(range(batch)))).to(device)
-    uniform = torch_rule.keyed_uniform(seeds, torch.arange(batch, device=device), k + 1)
-    accepted = torch_rule.accept_sampled(draft_tokens, draft_len, None, logits, per_row, uniform)
+    uniform = rule_torch.keyed_uniform(seeds, torch.arange(batch, device=device), k + 1)
+    accepted = rule_torch.accept_sampled(draft_tokens, draft_len, None, logits, per_row, uniform)
     for b, params in enumerate(rows):
-        assert torch.equal(warped[b], torch_rule.warp_probs(logits[b], params))
-        alone = torch_rule.accept_sampled(draft_tokens[b : b + 1], draft_len[b : b + 1], None, logits[b : b + 1],
+        assert torch.equal(warped[b], rule_torch.warp_probs(logits[b], params))
+        alone = rule_torch.accept_sampled(draft_tokens[b : b + 1], draft_len[b : b + 1], None, logits[b : b + 1],
                                           params, uniform[b : b + 1])
         assert (accepted[0][b], accepted[1][b]) == (alone[0][0], alone[1][0])
 
@@ -336,10 +336,10 @@ def test_top_p_keeps_a_token_summing_to_just_past_one_minus_top_p_in_every_form(
     params = SamplingParams(temperature=1.0, top_p=0.9)
     assert 0.1 < torch.softmax(torch.from_numpy(logits), -1)[0, 0] < 1 - np.float32(0.9)
     warps = {
-        "torch": torch_rule.warp_probs(torch.from_numpy(logits), params).numpy(),
-        "torch per row": torch_rule.warp_probs(torch.from_numpy(logits), torch_rule.RowSampling.of([params])).numpy(),
-        "jax": np.asarray(jax_rule.warp_probs(jnp.asarray(logits), params)),
-        "jax per row": np.asarray(jax_rule.warp_probs(jnp.asarray(logits), jax_rule.RowSampling.of([params]))),
+        "torch": rule_torch.warp_probs(torch.from_numpy(logits), params).numpy(),
+        "torch per row": rule_torch.warp_probs(torch.from_numpy(logits), rule_torch.RowSampling.of([params])).numpy(),
+        "jax": np.asarray(rule_jax.warp_probs(jnp.asarray(logits), params)),
+        "jax per row": np.asarray(rule_jax.warp_probs(jnp.asarray(logits), rule_jax.RowSampling.of([params]))),
     }
     for form, probs in warps.items():
         assert (probs > 0).all(), form
@@ -363,18 +363,18 @@ def test_jax_per_row_settings_leave_each_row_as_its_settings_alone_leave_it():
     logits = jnp.asarray(rng.normal(0, 2, (batch, k + 1, vocab)).astype(np.float32))
     draft_tokens = jnp.asarray(rng.integers(0, vocab, (batch, k)), jnp.int32)
     draft_len = jnp.full((batch,), k, jnp.int32)
-    uniform = jax_rule.keyed_uniform(jnp.asarray(seed_words(list(range(batch))), jnp.uint32), jnp.arange(batch), k + 1)
-    warp, accept = jax.jit(jax_rule.warp_probs), jax.jit(jax_rule.accept_sampled)
-    accept_alone = jax.jit(jax_rule.accept_sampled, static_argnames="params")
+    uniform = rule_jax.keyed_uniform(jnp.asarray(seed_words(list(range(batch))), jnp.uint32), jnp.arange(batch), k + 1)
+    warp, accept = jax.jit(rule_jax.warp_probs), jax.jit(rule_jax.accept_sampled)
+    accept_alone = jax.jit(rule_jax.accept_sampled, static_argnames="params")
 
     def per_row(settings):
-        return jax.device_put(jax_rule.RowSampling.of(settings))
+        return jax.device_put(rule_jax.RowSampling.of(settings))
 
     warped = warp(logits, per_row(rows))
     accepted = accept(draft_tokens, draft_len, None, logits, per_row(rows), uniform)
     for b, params in enumerate(rows):
         np.testing.assert_array_equal(warped[b], warp(logits, per_row([params] * batch))[b])
-        np.testing.assert_allclose(warped[b], jax_rule.warp_probs(logits[b], params), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(warped[b], rule_jax.warp_probs(logits[b], params), rtol=1e-6, atol=1e-7)
         alone = accept_alone(draft_tokens, draft_len, None, logits, params=params, uniform=uniform)
         assert (int(accepted[0][b]), int(accepted[1][b])) == (int(alone[0][b]), int(alone[1][b])), params
 
@@ -420,9 +420,9 @@ def test_torch_rules_replay_in_a_cuda_graph():
     positions = torch.zeros(batch, dtype=torch.long, device="cuda")
 
     def run_rules():
-        greedy = torch_rule.accept_greedy(draft_tokens, draft_len, target_logits)
-        uniform = torch_rule.keyed_uniform(seeds, positions, k + 1)
-        sampled = torch_rule.accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, uniform)
+        greedy = rule_torch.accept_greedy(draft_tokens, draft_len, target_logits)
+        uniform = rule_torch.keyed_uniform(seeds, positions, k + 1)
+        sampled = rule_torch.accept_sampled(draft_tokens, draft_len, draft_probs, target_logits, params, uniform)
         return greedy, sampled
 
     graph, (greedy_out, sampled_out) = capture_graph(run_rules)
@@ -446,5 +446,5 @@ def test_greedy_token_compiled_by_inductor_on_cuda_is_argmax():
     """Inductor's kernels for the two passes, on the 270M's vocabulary: torch.argmax's tokens, ties and NaN
     included."""
     logits = _wide_rows(262144).cuda()
-    compiled = torch.compile(torch_rule.greedy_token, fullgraph=True)
+    compiled = torch.compile(rule_torch.greedy_token, fullgraph=True)
     assert torch.equal(compiled(logits), logits.argmax(dim=-1))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from specdec import gates
-from specdec.models.torch_gemma import GemmaModel
+from specdec.models.gemma_torch import GemmaModel
 
 PROMPT = [2, 17, 99, 5, 300, 41, 17, 99]
 TOKENS = 640

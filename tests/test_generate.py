@@ -6,11 +6,11 @@ import types
 import pytest
 
 from specdec.drafters.model import ModelDrafter
+from specdec.engines.verifier_torch import TorchEngine
 from specdec.errors import SpecdecError
 from specdec.generate import StopCondition, speculative_generate
-from specdec.models.torch_gemma import GemmaModel
+from specdec.models.gemma_torch import GemmaModel
 from specdec.sampling import SamplingParams
-from specdec.verifiers.torch_engine import TorchEngine
 
 PROMPTS = [[2, 17, 99, 5, 300, 41, 17, 99], [2, 8, 8, 9]]
 
@@ -86,8 +86,8 @@ def test_fused_ngram_cycle_matches_the_host_loop(model):
     """The device-side n-gram drafter fused with verify/accept emits what the host loop emits, with the
     same drafts (same statistics)."""
     from specdec.drafters.ngram import NgramDrafter
+    from specdec.engines.cycle_torch import FusedCycle
     from specdec.generate import run_cycles
-    from specdec.verifiers.torch_engine import FusedCycle
 
     prompts = [[2, 5, 6, 7, 5, 6, 7, 5, 6], [2, 9, 9, 9, 9]]
     host = speculative_generate(TorchEngine(model, batch=2, max_seq_len=256), NgramDrafter(), prompts, 4, StopCondition(60))

@@ -16,10 +16,10 @@ import torch
 
 from specdec import gates
 from specdec.drafters.model import ModelDrafter, TorchModelDraft
+from specdec.engines.verifier_torch import TorchEngine
 from specdec.generate import HostCycle
-from specdec.models.torch_gemma import GemmaModel
+from specdec.models.gemma_torch import GemmaModel
 from specdec.sampling import SamplingParams
-from specdec.verifiers.torch_engine import TorchEngine
 
 PROMPT = [2, 17, 99, 5, 300, 41, 17, 99]
 

@@ -7,12 +7,12 @@ import re
 import subprocess
 import sys
 
-from specdec.models import jax_gemma
+from specdec.models import gemma_jax
 from tests.scripts import load_script
 
 
 def test_kernel_sources_name_a_fusions_ops_and_specdec_lines(tmp_path):
-    code = ("import jax, jax.numpy as jnp\nfrom specdec.models.jax_gemma import _gelu\n"
+    code = ("import jax, jax.numpy as jnp\nfrom specdec.models.gemma_jax import _gelu\n"
             "jax.jit(lambda x, y: (_gelu(x) * 2, _gelu(y) * 3, jnp.argmax(x)))(jnp.ones(8), jnp.ones(16))")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
@@ -20,9 +20,9 @@ def test_kernel_sources_name_a_fusions_ops_and_specdec_lines(tmp_path):
     kernels = [name.replace(".", "_") for name in re.findall(r"^\s*(?:ROOT )?%(\w*fusion[\w.]*) = ", module, re.M)]
     assert any(re.search(r"_\d+$", kernel) for kernel in kernels)  # fusion.1 runs as kernel fusion_1 (two GELUs)
     sources = load_script("profile_jax_cycle").kernel_sources([*kernels, "decode_attention_partials"], tmp_path)
-    gelu_line = inspect.getsourcelines(jax_gemma._gelu)[1] + 1  # its body's one line
+    gelu_line = inspect.getsourcelines(gemma_jax._gelu)[1] + 1  # its body's one line
     assert set(sources) == set(kernels)  # a name the module does not define is left out
-    assert any("tanh" in found["ops"] and f"jax_gemma.py:{gelu_line}:_gelu" in found["sources"]
+    assert any("tanh" in found["ops"] and f"gemma_jax.py:{gelu_line}:_gelu" in found["sources"]
                for found in sources.values()), sources
 
 

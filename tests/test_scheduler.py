@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from specdec.drafters.ngram import NgramDrafter
+from specdec.engines.cycle_torch import FusedCycle
+from specdec.engines.verifier_torch import TorchEngine
 from specdec.errors import SpecdecError
 from specdec.generate import StopCondition, run_cycles
-from specdec.models.torch_gemma import GemmaModel
+from specdec.models.gemma_torch import GemmaModel
+from specdec.protocol import is_device_state
 from specdec.sampling import SamplingParams
 from specdec.serve.scheduler import JAX_CYCLES_PER_CALL, Request, Scheduler, SpeculativeConfig
-from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
 PROMPT = [2, 17, 301, 17, 301, 17, 45, 9, 45, 9]
 NEW_TOKENS = 24
@@ -24,7 +26,7 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module", params=["torch", "jax"])
 def engine(request, random_checkpoints):
     if request.param == "jax":
-        from specdec.verifiers.jax_engine import JaxEngine
+        from specdec.engines.verifier_jax import JaxEngine
 
         return JaxEngine.from_checkpoint(random_checkpoints["gemma3"], batch=2, max_seq_len=128, k_max=4)
     model = GemmaModel.from_checkpoint(random_checkpoints["gemma3"], max_seq_len=128)
@@ -43,9 +45,9 @@ def generated(engine, prompt, max_new_tokens, sampling=SamplingParams(), k=4) ->
     """Row 0's tokens of `specdec generate`'s fused cycle over a batch of `prompt`, row 0 seeded by `sampling`."""
     draft_fn = NgramDrafter().device_draft_fn("jax" if is_jax(engine) else "torch", k) if k else None
     if is_jax(engine):
-        from specdec.verifiers.jax_engine import JaxFusedCycle as Cycle
+        from specdec.engines.cycle_jax import JaxFusedCycle as Cycle
     else:
-        from specdec.verifiers.torch_engine import FusedCycle as Cycle
+        from specdec.engines.cycle_torch import FusedCycle as Cycle
     cycle = Cycle(engine, draft_fn, k, sampling)
     return run_cycles(cycle, [list(prompt)] * engine.batch, k, StopCondition(max_new_tokens)).tokens[0]
 
@@ -350,10 +352,19 @@ def test_the_width_check_keeps_the_widths_that_round_as_the_batch_does_and_drops
 
 
 def test_a_stateful_drafters_cycle_runs_every_row(engine_of_4):
-    class Stateful:
+    class Stateful:  # specdec.protocol.DeviceState
+        sampling = SamplingParams()
+
+        def begin(self, *args):
+            pass
+
+        def draft(self, *args):
+            pass
+
         def observe(self, *args):
             pass
 
+    assert is_device_state(Stateful())
     with pytest.raises(SpecdecError, match="spans the batch"):
         FusedCycle(engine_of_4, Stateful(), 4, widths=(1, 4))
     with pytest.raises(SpecdecError, match="the batch among them"):

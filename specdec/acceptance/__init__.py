@@ -1,7 +1,7 @@
 """Acceptance rules: which drafted tokens to keep, and the target's own next token.
 
 One implementation per framework, with the same semantics, defined here once:
-``torch_rule`` (PyTorch, CUDA-graph capturable) and ``jax_rule`` (pure JAX, jit-able with static
+``rule_torch`` (PyTorch, CUDA-graph capturable) and ``rule_jax`` (pure JAX, jit-able with static
 K and params). Neither is imported here, so each needs only its own framework installed.
 
 Shapes: B rows (sequences), K drafted tokens per row (static, may be 0), V vocabulary.

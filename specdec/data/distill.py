@@ -304,10 +304,10 @@ class FeatureCapture:
         else:
             import jax
 
-            from specdec.models import jax_gemma
+            from specdec.models import gemma_jax
 
             def hidden(params, tokens, positions, cache):
-                return jax_gemma.forward(params, target.config, tokens, positions, cache, hidden_layers=hidden_layers,
+                return gemma_jax.forward(params, target.config, tokens, positions, cache, hidden_layers=hidden_layers,
                                          last_only=True)[1]
 
             self.forward = jax.jit(hidden)  # compiled once per batch shape (FEATURE_BUCKET)
@@ -333,9 +333,9 @@ class FeatureCapture:
             return hidden.float().cpu().numpy()
         import jax.numpy as jnp
 
-        from specdec.models import jax_gemma
+        from specdec.models import gemma_jax
 
-        cache = jax_gemma.init_cache(cfg, len(sequences), self.max_seq_len, engine.k_max,
+        cache = gemma_jax.init_cache(cfg, len(sequences), self.max_seq_len, engine.k_max,
                                      engine.params["embed_tokens.weight"].dtype)
         hidden = self.forward(engine.params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), cache)
         return np.asarray(hidden, np.float32)

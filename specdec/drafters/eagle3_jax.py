@@ -229,7 +229,7 @@ class JaxEagle3(JaxHostDriven):
     def draft(self, target_params, params, state, target_cache=None):
         """-> (draft [B, k] target ids, draft_len [B], draft probs [B, k, V] when sampled else None, state).
         The target's cache is not read (the head keeps its own)."""
-        from specdec.acceptance.jax_rule import warp_probs
+        from specdec.acceptance.rule_jax import warp_probs
         from specdec.drafters.stateful import next_draft_keys
 
         next_key, step_key = next_draft_keys(state)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.drafters.eagle3 import Eagle3Config
-from specdec.models.torch_gemma import dense_linear
+from specdec.models.gemma_torch import dense_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,8 +85,8 @@ class TorchEagle3:
         `compile`: run the head's step under torch.compile, as an engine that compiles its forward does
         (eager, a step is some forty small kernels; compiled, the cycle's drafting takes half the time)."""
         from specdec.drafters.eagle3 import draft_to_target
+        from specdec.engines.verifier_torch import compiled
         from specdec.sampling import SamplingParams
-        from specdec.verifiers.torch_engine import compiled
 
         self._step_fn = compiled(step) if compile else step
 
@@ -146,7 +146,7 @@ class TorchEagle3:
 
     def draft(self):
         """-> (draft [B, k] target ids, draft_len [B], draft probs [B, k, V] when sampled else None)."""
-        from specdec.acceptance.torch_rule import _sample, greedy_token, warp_probs
+        from specdec.acceptance.rule_torch import _sample, greedy_token, warp_probs
 
         B = self.batch
         rows = torch.arange(B, device=self.tokens.device)

@@ -32,11 +32,11 @@ def load_source(path: Path, verifier):
     """The drafter checkpoint's weights in the verifier's framework, dtype and device: a torch GemmaModel, or
     (cfg, params) for JAX."""
     if verifier.framework == "jax":
-        from specdec.models.jax_gemma import load_params
+        from specdec.models.gemma_jax import load_params
 
         # packed as drafter_engine's one-device engine holds them, rather than copied packed there
         return load_params(path, verifier.params["embed_tokens.weight"].dtype, pack=True)
-    from specdec.models.torch_gemma import GemmaModel
+    from specdec.models.gemma_torch import GemmaModel
 
     return GemmaModel.from_checkpoint(path, dtype=verifier.model.dtype, device=str(verifier.device),
                                       max_seq_len=verifier.max_seq_len)
@@ -53,13 +53,13 @@ def drafter_engine(source, verifier):
     settings = dict(batch=verifier.batch, max_seq_len=verifier.max_seq_len, k_max=verifier.k_max,
                     invariant=verifier.invariant, lookahead=verifier.k_max)
     if verifier.framework == "jax":
-        from specdec.verifiers.jax_engine import JaxEngine
+        from specdec.engines.verifier_jax import JaxEngine
 
         cfg, params = (source.cfg, source.params) if from_engine else source
         if from_engine and source.parts is not None:  # its weights are packed in parts
             settings.update(mesh=source.mesh, tp_parts=source.parts.count)
         return JaxEngine(cfg, params, **settings)
-    from specdec.verifiers.torch_engine import TorchEngine
+    from specdec.engines.verifier_torch import TorchEngine
 
     compiled = verifier._model_fn != verifier.model.forward
     return TorchEngine(source.model if from_engine else source, cuda_graphs=False, compile=compiled, **settings)
@@ -186,7 +186,7 @@ class TorchModelDraft:
 
     def _choose(self, logits):
         """-> (token [B], its distribution [B, V] when sampled else None); greedy ties go to the lowest id."""
-        from specdec.acceptance.torch_rule import _sample, greedy_token, warp_probs
+        from specdec.acceptance.rule_torch import _sample, greedy_token, warp_probs
 
         if self.generator is None:
             return greedy_token(logits), None
@@ -250,7 +250,7 @@ class JaxModelDraft(JaxHostDriven):
         import numpy as np
 
         from specdec.drafters.stateful import draft_key
-        from specdec.models.jax_gemma import init_cache
+        from specdec.models.gemma_jax import init_cache
 
         engine = self.engine
         if engine.cache is None or any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.cache)):
@@ -296,7 +296,7 @@ class JaxModelDraft(JaxHostDriven):
         import jax
         import jax.numpy as jnp
 
-        from specdec.acceptance.jax_rule import warp_probs
+        from specdec.acceptance.rule_jax import warp_probs
         from specdec.drafters.stateful import next_draft_keys
 
         next_key, step_key = next_draft_keys(state)

@@ -1,6 +1,6 @@
 """The Gemma 4 MTP assistant in JAX (semantics in specdec.drafters.mtp; the same math as mtp_torch): pure
 functions over a dict of arrays under the stripped checkpoint names, reading the target's KV cache, built
-from jax_gemma's norms, MLP and RoPE."""
+from gemma_jax's norms, MLP and RoPE."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 from specdec.drafters.mtp import AssistantConfig, target_kv_layers
 from specdec.drafters.stateful import JaxHostDriven
 from specdec.models.config import SLIDING, GemmaConfig, rope_inv_freq
-from specdec.models.jax_gemma import _apply_rope, _keys_from_stored, _linear, _mlp, _rms_norm, _rope_cos_sin
+from specdec.models.gemma_jax import _apply_rope, _keys_from_stored, _linear, _mlp, _rms_norm, _rope_cos_sin
 
 Params = dict
 MASKED = float(np.finfo(np.float32).min)  # not -inf: a row with nothing to attend to (no hidden yet) stays finite
@@ -154,7 +154,7 @@ class JaxMtp(JaxHostDriven):
     def steps(self, target_params, params, state, target_cache):
         """Yield each draft step's (token [B], its distribution [B, V] or None when greedy, logits [B, V]):
         every step at the pending token's position, over the target's cache as it stands."""
-        from specdec.acceptance.jax_rule import warp_probs
+        from specdec.acceptance.rule_jax import warp_probs
         from specdec.drafters.stateful import next_draft_keys
 
         _, step_key = next_draft_keys(state)

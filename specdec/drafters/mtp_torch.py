@@ -15,8 +15,7 @@ import torch
 from specdec.drafters.mtp import AssistantConfig, mtp_taps, target_kv_layers
 from specdec.errors import SpecdecError
 from specdec.models.config import SLIDING, tp_split_axis, vocab_rows
-from specdec.models.torch_gemma import (KVCache, apply_rope, dense_linear, gelu_mlp, rms_norm, rope_tables,
-                                       sum_across)
+from specdec.models.gemma_torch import KVCache, apply_rope, dense_linear, gelu_mlp, rms_norm, rope_tables, sum_across
 
 MASKED = torch.finfo(torch.float32).min  # not -inf: a row with nothing to attend to (no hidden yet) stays finite
 
@@ -158,7 +157,7 @@ class TorchMtp:
     def steps(self):
         """Yield each draft step's (token [B], its distribution [B, V] or None when greedy, logits [B, V]):
         every step at the pending token's position, over the target's cache as it stands."""
-        from specdec.acceptance.torch_rule import _sample, greedy_token, warp_probs
+        from specdec.acceptance.rule_torch import _sample, greedy_token, warp_probs
 
         text, model = self.cfg.text, self.engine.model
         kv = {}
@@ -207,7 +206,7 @@ def _device_slice(cfg: AssistantConfig, tp_group):
         return lambda name, shape: (...,)
     from specdec.models.checkpoint import shard_index
     from specdec.models.config import check_tensor_parallel
-    from specdec.models.torch_gemma import group_shard
+    from specdec.models.gemma_torch import group_shard
 
     shard = group_shard(tp_group)
     check_tensor_parallel(cfg.text, shard[1])

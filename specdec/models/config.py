@@ -1,7 +1,7 @@
 """GemmaConfig: the text model of a Gemma 3 / Gemma 4 checkpoint, read from its Hugging Face config.json.
 
 Everything both frameworks need to build the model is resolved here once (per-layer head sizes, which
-layer owns which KV cache, RoPE tables' parameters), so torch_gemma and jax_gemma share one spec.
+layer owns which KV cache, RoPE tables' parameters), so gemma_torch and gemma_jax share one spec.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def tp_split_axis(cfg: "GemmaConfig", name: str, tp: int) -> int | None:
 
 def check_tensor_parallel(cfg: "GemmaConfig", tp: int, splitter: str | None = None) -> None:
     """Every split dimension must divide evenly over `tp` devices: one line naming what does not, after `splitter`
-    (default: the mesh of `tp` devices; torch_gemma's parts name themselves)."""
+    (default: the mesh of `tp` devices; gemma_torch's parts name themselves)."""
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"{cfg.num_heads} attention heads")
@@ -89,14 +89,14 @@ def check_tensor_parallel(cfg: "GemmaConfig", tp: int, splitter: str | None = No
 
 
 def check_tp_parts(cfg: "GemmaConfig", parts: int, devices: int) -> None:
-    """Tensor-parallel parts (torch_gemma.GemmaModel's and jax_engine.JaxEngine's `tp_parts`). In bf16 a split
+    """Tensor-parallel parts (gemma_torch.GemmaModel's and verifier_jax.JaxEngine's `tp_parts`). In bf16 a split
     changes the arithmetic: a row-parallel linear's halves are rounded before they are added, and a GEMM of half the
     width may be tiled or split differently by the GEMM library, so 2 devices do not emit the greedy tokens 1 device
     emits. With `parts` P, every split weight (heads, MLP columns, the LM head's vocabulary) is computed as P GEMMs
     of a P-way split's shapes on any device count N that divides P, each device running P / N of them, and the
     row-parallel partial outputs are added in one fixed order (sum_parts). Every N then runs the same GEMMs on the
     same operands. Compiled, each engine also keeps the roundings its compiler could drop where its fused kernels end
-    at other places on 1 and N devices (torch: torch_engine._configure_compile; JAX: sum_parts rounds each partial
+    at other places on 1 and N devices (torch: verifier_torch._configure_compile; JAX: sum_parts rounds each partial
     explicitly). It costs more launches (P / N GEMMs where there was one) and a gather of the partial outputs in
     place of an all-reduce. One line for what cannot be split so."""
     if parts < 1 or parts % devices:

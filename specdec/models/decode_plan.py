@@ -1,5 +1,5 @@
 """How a decode forward splits its work: the blocks of attention over the static cache (flash-decoding) both engines'
-kernels use (torch: decode_attention's Triton kernels; JAX: jax_decode_attention's Pallas kernels), and the slices a
+kernels use (torch: decode_attention_torch's Triton kernels; JAX: decode_attention_jax's Pallas kernels), and the slices a
 product of few rows splits its reduction into. Framework-free, so that neither engine imports the other's framework
 for it.
 
@@ -54,10 +54,10 @@ MOST_SPLITS = 4  # slices a product takes at most unless it asks for more (reduc
 
 def reduction_splits(rows: int, columns: int, reduction: int, multiple: int = 64, most: int = MOST_SPLITS) -> int:
     """1, or the slices a product of `rows` rows with a [columns, reduction] weight splits its reduction into (torch:
-    torch_gemma.linear; JAX: a decode forward's q/k/v, o_proj, gate/up and down): for at most SPLIT_MAX_ROWS rows,
+    gemma_torch.linear; JAX: a decode forward's q/k/v, o_proj, gate/up and down): for at most SPLIT_MAX_ROWS rows,
     where a weight's 128-column tiles would not reach half an H100's or H200's 132 SMs, the first of `most`, ...,
     4, 2 slices (powers of two) that are each a multiple of `multiple`. `most` is 4 by default: 8 was slower on an
-    H200 for E4B's down projection in torch; JAX's down takes 8 where its weight is large (jax_gemma.DOWN_SPLITS)."""
+    H200 for E4B's down projection in torch; JAX's down takes 8 where its weight is large (gemma_jax.DOWN_SPLITS)."""
     if rows > SPLIT_MAX_ROWS or columns > 66 * 128:
         return 1
     counts = [1 << bit for bit in range(most.bit_length() - 1, 0, -1)]  # most, ..., 4, 2

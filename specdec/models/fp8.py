@@ -4,7 +4,7 @@ A row's scale is its largest magnitude over e4m3's largest value (448; 1 for a r
 row over its scale, rounded to nearest. A product reads the values, converted exactly to the activations' dtype,
 accumulates in float32, and multiplies each output column by its row's scale before rounding:
 `y = round((x @ values.T) * scale)`. So the weights move at one byte each, and the scale costs one multiply a
-column. Both engines follow this spec (jax_fp8, torch_fp8); dequantizing a weight before its product would write the
+column. Both engines follow this spec (fp8_jax, fp8_torch); dequantizing a weight before its product would write the
 whole bf16 weight every step, about 3x slower than bf16 (docs/journal).
 
 What is quantized: every linear whose rows are output features (the attention and MLP projections, Gemma 4's

@@ -1,6 +1,6 @@
 """The split products of a decode forward's few rows as a Triton kernel that loads its weights before it waits.
 
-Under programmatic dependent launch (PDL, Hopper on; torch_engine turns it on for inductor's kernels), a kernel
+Under programmatic dependent launch (PDL, Hopper on; verifier_torch turns it on for inductor's kernels), a kernel
 is launched while the one before it still runs and waits in-kernel (`griddepcontrol.wait`) before it reads that
 kernel's output. A weight is no kernel's output: this kernel loads its tile of the weight first, then waits, then
 reads the rows of x, so the weight streams in while the previous kernel (a norm, RoPE, the GELU) finishes. The 270M's
@@ -9,8 +9,8 @@ layer products move 1-5 MB each and took 3.3 us as cuBLAS's batched GEMM, mostly
 
 Each program computes one block of output columns of one slice of the reduction, in float32, over the whole slice:
 what a row's value is depends on the slice, the block size and the row alone, never on the other rows, so rows stay
-bitwise invariant as torch_gemma.split_products' do. The slices' sums stay to the kernel that reads them
-(torch_gemma.sum_products), which inductor fuses.
+bitwise invariant as gemma_torch.split_products' do. The slices' sums stay to the kernel that reads them
+(gemma_torch.sum_products), which inductor fuses.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ MAX_TILE = 128 * 128  # weight elements a program holds
 ROW_BLOCK = 64
 # A static forward of up to this many rows (a server's 8 rows of 8 tokens) takes the kernel for bf16 weights too:
 # a row then keeps its bits whatever the number of rows, so a server may run its cycles over the rows in use
-# (torch_engine.FusedCycle's widths). Not 128 (a 16-row server): reading each weight once per block of 64 rows made
+# (cycle_torch.FusedCycle's widths). Not 128 (a 16-row server): reading each weight once per block of 64 rows made
 # that server's full cycle 6.4% longer than cuBLAS's (H200, docs/journal), so it keeps cycles over every row.
 WIDE_MAX_ROWS = 64
 # FP8 weights, of any size (fp8_splits, plan): 32 columns a program, stepping through its slice 128 deep in a loop

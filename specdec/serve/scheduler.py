@@ -168,10 +168,10 @@ class Scheduler:
         drafter = source.build(self.engine, self.k) if self.k else None
         draft_fn = drafter.device_draft_fn(self.engine.framework, self.k) if drafter is not None else None
         if self._jax:
-            from specdec.verifiers.jax_engine import JaxFusedCycle
+            from specdec.engines.cycle_jax import JaxFusedCycle
 
             return JaxFusedCycle(self.engine, draft_fn, self.k, cycles_per_call=self.cycles_per_call)
-        from specdec.verifiers.torch_engine import FusedCycle
+        from specdec.engines.cycle_torch import FusedCycle
 
         # a drafter's state on the device spans the batch: its cycles run every row
         narrow = self.narrow_cycles and not (drafter is not None and drafter.stateful)

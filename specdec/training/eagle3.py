@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from specdec.drafters import eagle3_jax as ej
 from specdec.drafters.eagle3 import Eagle3Config, draft_to_target, random_head
-from specdec.models import jax_gemma
+from specdec.models import gemma_jax
 
 ARGMAX_CHUNK = 16384  # target ids per chunk of the full-vocabulary argmax
 
@@ -60,8 +60,8 @@ def target_states(tparams, tcfg, tokens, taps: tuple[int, ...]):
     B, N = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
     dtype = tparams["embed_tokens.weight"].dtype
-    cache = jax_gemma.init_cache(tcfg, B, 1, 0, dtype)
-    _, hidden, _ = jax_gemma.forward(tparams, tcfg, tokens, positions, cache,
+    cache = gemma_jax.init_cache(tcfg, B, 1, 0, dtype)
+    _, hidden, _ = gemma_jax.forward(tparams, tcfg, tokens, positions, cache,
                                      hidden_layers=tuple(taps) + (tcfg.num_layers - 1,))
     return hidden[:, :, :-1], hidden[:, :, -1]
 
@@ -76,7 +76,7 @@ def target_argmax(tparams, tcfg, last, chunk: int = ARGMAX_CHUNK):
     def body(carry, c):
         best, arg = carry
         ids = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        logits = jax_gemma.final_logits(tparams, tcfg, last, jnp.minimum(ids, V - 1))
+        logits = gemma_jax.final_logits(tparams, tcfg, last, jnp.minimum(ids, V - 1))
         logits = jnp.where(ids < V, logits, -jnp.inf)
         m = logits.max(axis=-1)
         a = jnp.argmax(logits, axis=-1).astype(jnp.int32) + c * chunk
@@ -92,7 +92,7 @@ def teacher(tparams, tcfg, last, draft_ids, t2d, chunk: int = ARGMAX_CHUNK):
     """-> (the target's distribution over the draft vocabulary [B, N, Vd] float32, its argmax in draft ids
     [B, N], whether its argmax over the whole vocabulary is in the draft vocabulary [B, N])."""
     last = last.astype(tparams["embed_tokens.weight"].dtype)
-    logits = jax_gemma.final_logits(tparams, tcfg, last, draft_ids)
+    logits = gemma_jax.final_logits(tparams, tcfg, last, draft_ids)
     probs = jax.nn.softmax(logits, axis=-1)
     in_vocab = t2d[target_argmax(tparams, tcfg, last, chunk)]
     return probs, jnp.argmax(logits, axis=-1).astype(jnp.int32), in_vocab

@@ -95,11 +95,11 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
     from jax.sharding import PartitionSpec as P
 
     import specdec.compile_cache as compile_cache
-    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.drafters.eagle3 import Eagle3Config, build_draft_vocab, default_aux_layer_ids, save_head
-    from specdec.models import jax_gemma
+    from specdec.models import gemma_jax
     from specdec.models.checkpoint import checkpoint_fingerprint
     from specdec.models.config import GemmaConfig
+    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.training import checkpoint as ckpts
     from specdec.training import eagle3 as train
     from specdec.training.data import Prefetcher, TrainData
@@ -191,7 +191,7 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
         return TrainResult(start, out, head, existing, {}, start, len(devices))
 
     # -- the target and the compiled step --------------------------------------------------------------
-    _, tparams = jax_gemma.load_params(target_path, jnp.dtype(cfg.target_dtype))
+    _, tparams = gemma_jax.load_params(target_path, jnp.dtype(cfg.target_dtype))
     if cfg.offline:  # the layers are not needed: only the embedding, the final norm and the LM head
         keep = {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
         tparams = {k: v for k, v in tparams.items() if k in keep}
@@ -266,11 +266,11 @@ def evaluate_head(head_dir: str | Path, data_dir: str | Path, target: str | Path
     import jax.numpy as jnp
 
     import specdec.compile_cache as compile_cache
-    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.drafters.eagle3 import load_for_target
-    from specdec.models import jax_gemma
+    from specdec.models import gemma_jax
     from specdec.models.checkpoint import checkpoint_fingerprint
     from specdec.models.config import GemmaConfig
+    from specdec.models.gguf_import import resolve_checkpoint
     from specdec.training import eagle3 as train
     from specdec.training.data import TrainData
 
@@ -285,7 +285,7 @@ def evaluate_head(head_dir: str | Path, data_dir: str | Path, target: str | Path
     data = TrainData(data_dir)
     data.check_target(fingerprint, tcfg.vocab_size, tcfg.hidden_size)
     dtype = dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")  # as training defaults them
-    _, tparams = jax_gemma.load_params(target_path, jnp.dtype(dtype))
+    _, tparams = gemma_jax.load_params(target_path, jnp.dtype(dtype))
     settings = train.LossSettings(ttt_steps=ttt_steps, compute_dtype=dtype)
     loss_fn = train.make_eval_loss(head.cfg, tcfg, settings, train.data_mesh(jax.local_devices()[:1]))
     params = {k: jnp.asarray(v) for k, v in head.params.items()}

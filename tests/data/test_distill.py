@@ -94,7 +94,7 @@ def test_default_batch_scales_to_the_device(ckpt):
     """4 on a CPU; on an accelerator the largest power of two (at most 256) whose bf16 KV cache fits half of
     what the bf16 weights leave free: here computed from the torch model and its allocated cache."""
     from specdec.models.config import GemmaConfig
-    from specdec.models.torch_gemma import GemmaModel, KVCache
+    from specdec.models.gemma_torch import GemmaModel, KVCache
 
     cfg = GemmaConfig.from_file(ckpt / "config.json")
     settings = DistillSettings(max_seq_len=256, k=4)
@@ -129,7 +129,7 @@ def test_sampled_distillation_is_seeded_and_out_dirs_are_guarded(ckpt, tmp_path)
 
 
 def test_jax_engine_features(ckpt, tmp_path):
-    from specdec.models.torch_gemma import GemmaModel
+    from specdec.models.gemma_torch import GemmaModel
 
     target = specdec.api.load(ckpt, engine="jax", batch=2, k_max=2, max_seq_len=64)
     settings = DistillSettings(prompt_tokens=16, max_new_tokens=4, k=2, dump_features=True)

@@ -14,16 +14,18 @@ import torch
 
 from specdec.drafters import eagle3_jax as ej
 from specdec.drafters import eagle3_torch as et
-from specdec.drafters.eagle3 import Eagle3Config, load_head, load_for_target, random_head, save_head
+from specdec.drafters.eagle3 import Eagle3Config, load_for_target, load_head, random_head, save_head
 from specdec.drafters.eagle3_drafter import Eagle3Drafter
+from specdec.engines.cycle_jax import JaxFusedCycle
+from specdec.engines.cycle_torch import FusedCycle
+from specdec.engines.verifier_jax import JaxEngine
+from specdec.engines.verifier_torch import TorchEngine
 from specdec.errors import SpecdecError
 from specdec.generate import HostCycle, StopCondition, run_cycles
 from specdec.models.checkpoint import checkpoint_fingerprint
 from specdec.models.config import GemmaConfig
-from specdec.models.torch_gemma import GemmaModel
+from specdec.models.gemma_torch import GemmaModel
 from specdec.sampling import SamplingParams
-from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
-from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
 VARIANT = "gemma3"
 K = 3

@@ -14,12 +14,14 @@ from typer.testing import CliRunner
 from specdec import gates
 from specdec.cli import app
 from specdec.drafters.model import ModelDrafter, drafter_engine, load_source
+from specdec.engines.cycle_jax import JaxFusedCycle
+from specdec.engines.cycle_torch import FusedCycle
+from specdec.engines.verifier_jax import JaxEngine
+from specdec.engines.verifier_torch import TorchEngine
 from specdec.errors import SpecdecError
 from specdec.generate import HostCycle, StopCondition, run_cycles
-from specdec.models.torch_gemma import GemmaModel
+from specdec.models.gemma_torch import GemmaModel
 from specdec.sampling import SamplingParams
-from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
-from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
 PROMPTS = [[2, 17, 99, 5, 300, 41, 17, 99, 5], [2, 8, 8, 9, 31]]
 TOKENS = 24  # past the sliding window of 8: the drafter's ring wraps too

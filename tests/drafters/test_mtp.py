@@ -12,14 +12,16 @@ from safetensors.torch import load_file, save_file
 from specdec.drafters.mtp import load_assistant, mtp_taps, target_kv_layers
 from specdec.drafters.mtp_jax import JaxMtp
 from specdec.drafters.mtp_torch import TorchMtp
+from specdec.engines.cycle_jax import JaxFusedCycle
+from specdec.engines.cycle_torch import FusedCycle
+from specdec.engines.verifier_jax import JaxEngine
+from specdec.engines.verifier_torch import TorchEngine
 from specdec.errors import SpecdecError
 from specdec.generate import HostCycle, StopCondition, run_cycles
 from specdec.models.config import GemmaConfig
+from specdec.models.gemma_torch import GemmaModel
 from specdec.models.random_init import assistant_buildable, write_random_assistant
-from specdec.models.torch_gemma import GemmaModel
 from specdec.sampling import SamplingParams
-from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
-from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
 VARIANTS = ("gemma4_dense", "gemma4_e")  # k_eq_v globals; KV sharing and per-layer inputs
 K = 4

@@ -14,7 +14,7 @@ from tests import oracle
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
-from specdec.verifiers.torch_engine import capture_graph  # noqa: E402
+from specdec.engines.verifier_torch import capture_graph  # noqa: E402
 
 
 def propose_torch(sequences, k, min_ngram, max_ngram, buffer_len):

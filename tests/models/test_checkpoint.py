@@ -12,7 +12,7 @@ from specdec.errors import SpecdecError
 from specdec.models.checkpoint import load_checkpoint, save_checkpoint
 from specdec.models.config import GemmaConfig, decode_width
 from specdec.models.decode_plan import BLOCK_S, plan
-from specdec.models.torch_gemma import GemmaModel
+from specdec.models.gemma_torch import GemmaModel
 
 
 def copy_ckpt(src, dst):

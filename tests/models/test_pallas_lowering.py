@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from specdec.models import jax_decode_attention, jax_decode_mlp
-from tests.models import test_jax_decode_attention as attention
-from tests.models import test_jax_decode_mlp as mlp
-from tests.models import test_jax_decode_norms as norms
+from specdec.models import decode_attention_jax, decode_mlp_jax
+from tests.models import test_decode_attention_jax as attention
+from tests.models import test_decode_mlp_jax as mlp
+from tests.models import test_decode_norms_jax as norms
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call that carries a Triton kernel
 
@@ -24,12 +24,12 @@ def lowered_for_cuda(fn, *args) -> str:
 
 
 def weights_to_prefetch():
-    return (jnp.ones((4, jax_decode_attention.PREFETCH_BLOCK), jnp.bfloat16),)
+    return (jnp.ones((4, decode_attention_jax.PREFETCH_BLOCK), jnp.bfloat16),)
 
 
 def attention_case(name):
     args = attention.case(attention.SHAPES[name], seed=1, dtype=jnp.bfloat16)
-    return lambda *a: jax_decode_attention.attend(*a, 0.0625, prefetch=weights_to_prefetch()), args
+    return lambda *a: decode_attention_jax.attend(*a, 0.0625, prefetch=weights_to_prefetch()), args
 
 
 def inputs_case(name):
@@ -43,12 +43,12 @@ def norms_case(name):
 
 
 def gated_case(name):
-    return jax_decode_mlp.gated, mlp.case(mlp.SHAPES[name], seed=1, dtype=jnp.bfloat16)
+    return decode_mlp_jax.gated, mlp.case(mlp.SHAPES[name], seed=1, dtype=jnp.bfloat16)
 
 
 def per_layer_gate_case(name):
     x, weight, per_layer = mlp.per_layer_case(mlp.PER_LAYER_SHAPES[name], seed=1, dtype=jnp.bfloat16)
-    return lambda *a: jax_decode_mlp.per_layer_gated(*a, per_layer.shape[2] - 1), (x, weight, per_layer)
+    return lambda *a: decode_mlp_jax.per_layer_gated(*a, per_layer.shape[2] - 1), (x, weight, per_layer)
 
 
 CASES = {  # kernel and shape -> (the function and its arguments, its Triton kernels, whether it triggers on Hopper)
@@ -69,7 +69,7 @@ CASES = {  # kernel and shape -> (the function and its arguments, its Triton ker
 def test_the_kernel_lowers_to_triton_for_cuda(name, hopper, monkeypatch):
     """As many Triton kernels as the function launches; on Hopper GPUs the residual-add kernel triggers its
     dependents' launch with inline PTX (griddepcontrol), lowered both ways."""
-    monkeypatch.setattr(jax_decode_attention, "triggers_dependents", lambda: hopper)
+    monkeypatch.setattr(decode_attention_jax, "triggers_dependents", lambda: hopper)
     make, kernels, triggers = CASES[name]
     fn, args = make()
     module = lowered_for_cuda(fn, *args)

@@ -4,10 +4,10 @@ greedy tokens identical to plain decoding."""
 import pytest
 import torch
 
+from specdec.engines.verifier_torch import TorchEngine
+from specdec.models.gemma_torch import GemmaModel
 from specdec.models.gguf_import import default_checkpoint
 from specdec.models.tokenizer import Tokenizer
-from specdec.models.torch_gemma import GemmaModel
-from specdec.verifiers.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.models import skinny_gemm
-from specdec.models.torch_gemma import linear
+from specdec.models.gemma_torch import linear
 
 hopper = pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton and Hopper")
 
@@ -104,7 +104,7 @@ def test_compiled_linear_uses_the_kernel_and_a_graph_replay_reads_new_inputs():
     products), captured in a CUDA graph: each replay on new inputs gives the compiled function's own bits."""
     from torch._inductor.utils import run_and_get_code
 
-    from specdec.verifiers.torch_engine import _configure_compile, capture_graph
+    from specdec.engines.verifier_torch import _configure_compile, capture_graph
 
     _configure_compile()
     blocks = [(bf16(4096, 640, seed=10 + i) * 0.05, bf16(640, 2048, seed=20 + i) * 0.03) for i in range(4)]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.drafters.eagle3 import default_aux_layer_ids, engine_taps
-from specdec.models import jax_gemma
+from specdec.models import gemma_jax
 from specdec.models.checkpoint import checkpoint_fingerprint
 
 ROWS = 48
@@ -21,7 +21,7 @@ WIDTH = PROMPT[1] + RESPONSE[1]
 
 def greedy_rows(path, rows=ROWS, seed=0):
     """[(input_ids, loss_mask)]: random prompts and the target's greedy continuations."""
-    cfg, params = jax_gemma.load_params(path, jnp.float32)
+    cfg, params = gemma_jax.load_params(path, jnp.float32)
     rng = np.random.default_rng(seed)
     prompt_len = rng.integers(*PROMPT, rows)
     response_len = rng.integers(*RESPONSE, rows)
@@ -32,8 +32,8 @@ def greedy_rows(path, rows=ROWS, seed=0):
 
     @jax.jit
     def next_tokens(tokens):
-        cache = jax_gemma.init_cache(cfg, rows, 1, 0, jnp.float32)
-        logits, _, _ = jax_gemma.forward(params, cfg, tokens, positions, cache)
+        cache = gemma_jax.init_cache(cfg, rows, 1, 0, jnp.float32)
+        logits, _, _ = gemma_jax.forward(params, cfg, tokens, positions, cache)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     for t in range(PROMPT[0], WIDTH):
@@ -50,15 +50,15 @@ def greedy_rows(path, rows=ROWS, seed=0):
 
 def target_states(path, rows, aux_layer_ids=None):
     """Per row: (hidden [len, 3, H], last_hidden [len, H]) float32, one forward over the whole row."""
-    cfg, params = jax_gemma.load_params(path, jnp.float32)
+    cfg, params = gemma_jax.load_params(path, jnp.float32)
     aux = aux_layer_ids or default_aux_layer_ids(cfg.num_layers)
     layers = engine_taps(aux) + (cfg.num_layers - 1,)
     tokens = np.zeros((len(rows), WIDTH), np.int32)
     for r, (ids, _) in enumerate(rows):
         tokens[r, : len(ids)] = ids
-    cache = jax_gemma.init_cache(cfg, len(rows), WIDTH, 0, jnp.float32)
+    cache = gemma_jax.init_cache(cfg, len(rows), WIDTH, 0, jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(WIDTH, dtype=jnp.int32), tokens.shape)
-    forward = jax.jit(lambda p, t, c: jax_gemma.forward(p, cfg, t, positions, c, hidden_layers=layers)[1])
+    forward = jax.jit(lambda p, t, c: gemma_jax.forward(p, cfg, t, positions, c, hidden_layers=layers)[1])
     hidden = np.asarray(forward(params, jnp.asarray(tokens), cache))
     return [(hidden[r, : len(ids), :-1], hidden[r, : len(ids), -1]) for r, (ids, _) in enumerate(rows)], aux
 

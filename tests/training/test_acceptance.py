@@ -6,12 +6,12 @@ import numpy as np
 
 from specdec.drafters.eagle3 import Eagle3Head, load_head
 from specdec.drafters.eagle3_drafter import Eagle3Drafter
+from specdec.engines.verifier_torch import TorchEngine
 from specdec.generate import HostCycle, StopCondition, run_cycles
-from specdec.models.torch_gemma import GemmaModel
+from specdec.models.gemma_torch import GemmaModel
 from specdec.sampling import SamplingParams
 from specdec.training import eagle3 as train
 from specdec.training.trainer import train_eagle3
-from specdec.verifiers.torch_engine import TorchEngine
 from tests.training.distilled import base_config
 
 K = 3

@@ -8,7 +8,7 @@ import pytest
 
 from specdec.drafters import eagle3_jax as ej
 from specdec.drafters.eagle3 import Eagle3Config, build_draft_vocab, draft_to_target
-from specdec.models import jax_gemma
+from specdec.models import gemma_jax
 from specdec.models.checkpoint import checkpoint_fingerprint
 from specdec.training import eagle3 as train
 from specdec.training.data import TrainData
@@ -19,7 +19,7 @@ SEQ = 48
 
 @pytest.fixture(scope="module")
 def setup(target, online_data):
-    cfg, params = jax_gemma.load_params(target, jnp.float32)
+    cfg, params = gemma_jax.load_params(target, jnp.float32)
     data = TrainData(online_data)
     # Half the target's vocabulary, without the most frequent response token: some target argmaxes fall
     # outside it.
@@ -37,13 +37,13 @@ def test_chunked_argmax_is_the_full_argmax(setup):
     cfg, params, data, *_ = setup
     batch = data.batch(np.arange(4), SEQ)
     _, last = jax.jit(lambda p, t: train.target_states(p, cfg, t, (1, 2, 3)))(params, jnp.asarray(batch["tokens"]))
-    full = np.asarray(jax_gemma.final_logits(params, cfg, last))
+    full = np.asarray(gemma_jax.final_logits(params, cfg, last))
     for chunk in (512, 100, 7):  # one chunk; chunks that do not divide the vocabulary (padded)
         argmax = jax.jit(lambda p, x, chunk=chunk: train.target_argmax(p, cfg, x, chunk))(params, last)
         np.testing.assert_array_equal(np.asarray(argmax), full.argmax(-1))
     # The restricted head gives the full logits' columns.
     ids = jnp.asarray([5, 0, 511, 17])
-    np.testing.assert_allclose(np.asarray(jax_gemma.final_logits(params, cfg, last, ids)), full[..., [5, 0, 511, 17]],
+    np.testing.assert_allclose(np.asarray(gemma_jax.final_logits(params, cfg, last, ids)), full[..., [5, 0, 511, 17]],
                                rtol=1e-6, atol=1e-6)
 
 
@@ -59,8 +59,8 @@ def test_loss_matches_a_numpy_reference(setup):
     @jax.jit
     def reference(head, params, tokens):
         positions = jnp.broadcast_to(jnp.arange(SEQ), tokens.shape)
-        cache = jax_gemma.init_cache(cfg, 8, SEQ, 0, jnp.float32)
-        full, hidden, _ = jax_gemma.forward(params, cfg, tokens, positions, cache, hidden_layers=hcfg.taps)
+        cache = gemma_jax.init_cache(cfg, 8, SEQ, 0, jnp.float32)
+        full, hidden, _ = gemma_jax.forward(params, cfg, tokens, positions, cache, hidden_layers=hcfg.taps)
         return full, ej.ttt_logits(head, hcfg, params["embed_tokens.weight"], tokens, ej.fuse(head, hidden), steps)
 
     tokens = jnp.asarray(batch["tokens"])

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from specdec.cli import app
 from specdec.drafters.eagle3 import default_aux_layer_ids, draft_to_target, load_head
-from specdec.models import jax_gemma
+from specdec.models import gemma_jax
 from specdec.models.checkpoint import checkpoint_fingerprint
 from specdec.training import eagle3 as train
 from specdec.training.checkpoint import list_checkpoints, read_checkpoint
@@ -64,7 +64,7 @@ def trained(target, online_data, tmp_path_factory):
 
 def loss_metrics(head_params, hcfg, target, d2t, t2d, batches):
     """The loss function's metrics of a head over each batch (dicts of numpy arrays)."""
-    tcfg, params = jax_gemma.load_params(target, jnp.float32)
+    tcfg, params = gemma_jax.load_params(target, jnp.float32)
     loss_fn = train.make_eval_loss(hcfg, tcfg, train.LossSettings(ttt_steps=3), train.data_mesh(jax.devices()[:1]))
     vocab = {"draft_ids": jnp.asarray(draft_to_target(d2t), jnp.int32), "t2d": jnp.asarray(t2d)}
     head = {k: jnp.asarray(v) for k, v in head_params.items()}

@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from specdec.models.jax_decode_attention import interpreting, on_device, rounded, summed_splits
+from specdec.models.decode_attention_jax import interpreting, on_device, rounded, summed_splits
 
 BLOCK_ROWS = 16  # a Triton dot's rows at least, and the most a forward may have here
 # Swept on E4B's and the 270M's layers (H200): other columns, stages and warps ran slower (docs/journal)
@@ -71,7 +71,7 @@ def _kernel(x_ref, weight_ref, out_ref, *, rows: int, features: int, steps: int)
 def gated(x, weight):
     """gelu_tanh(gate) * up for x [B, T, hidden] (B x T rows, at most BLOCK_ROWS) and gate/up's packed weight
     [2 x features, hidden] (gate's rows, then up's): [B, T, features] in x's dtype, each product rounded to it as
-    jax_gemma._linear's is, then the GELU, then their product, as jax_gemma._mlp rounds. The reduction is a program's
+    gemma_jax._linear's is, then the GELU, then their product, as gemma_jax._mlp rounds. The reduction is a program's
     own, in steps of BLOCK_REDUCTION."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
@@ -146,7 +146,7 @@ def _per_layer_kernel(x_ref, weight_ref, per_layer_ref, _arrivals_in, out_ref, p
 def per_layer_gated(x, weight, per_layer, layer: int, arrivals=None):
     """Gemma 4's per-layer gate gelu_tanh(x gate^T) * per_layer[:, :, layer], for x [B, T, hidden] (B x T rows, at
     most BLOCK_ROWS), its gate `weight` [features, hidden] and every layer's per-layer inputs [B, T, layers,
-    features], rounded as jax_gemma._decoder_layer rounds it: [B, T, features] in x's dtype. It reads its layer's
+    features], rounded as gemma_jax._decoder_layer rounds it: [B, T, features] in x's dtype. It reads its layer's
     inputs from the whole array, which XLA computes once for every layer.
 
     -> (the gate, `arrivals`). `arrivals`: int32 [features / PER_LAYER_COLUMNS] zeros, which the kernel counts on

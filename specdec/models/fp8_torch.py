@@ -12,7 +12,7 @@ from specdec.models.fp8 import E4M3_MAX
 
 
 def quantize(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] (any float dtype) -> (float8_e4m3fn values [N, K], float32 scales [N]): jax_fp8.quantize's
+    """weight [N, K] (any float dtype) -> (float8_e4m3fn values [N, K], float32 scales [N]): fp8_jax.quantize's
     arithmetic, so both engines hold the same bits. `group`: the tensor-parallel group over which `weight` is this
     device's slice of the reduction (a row-parallel linear's columns): each row's peak is then the whole row's, so
     every device count quantizes to the same bits."""
@@ -22,7 +22,7 @@ def quantize(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tens
         import torch.distributed as dist
 
         dist.all_reduce(peak, dist.ReduceOp.MAX, group)
-    scale = torch.where(peak > 0, peak * (1 / E4M3_MAX), torch.ones_like(peak))  # as jax_fp8's
+    scale = torch.where(peak > 0, peak * (1 / E4M3_MAX), torch.ones_like(peak))  # as fp8_jax's
     # e4m3fn has no infinity: a quotient rounded past 448 would convert to NaN, so it is clipped first
     return (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 

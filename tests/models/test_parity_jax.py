@@ -2,9 +2,9 @@
 and greedy tokens of the real Gemma 3 270M against transformers.
 
 Error is max |ours - reference| / max |reference| over the compared logits. Sequences run to 40 tokens: past
-the sliding window (8), inside the ring (64 slots: its wrap is tests/verifiers/test_sliding_ring.py's). Every
+the sliding window (8), inside the ring (64 slots: its wrap is tests/engines/test_sliding_ring.py's). Every
 chunk pattern runs through both frameworks, so each JAX result is checked against transformers' full forward and
-against torch_gemma fed the same chunks.
+against gemma_torch fed the same chunks.
 """
 
 import jax
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.models import jax_gemma
-from specdec.models.jax_fp8 import quantize
+from specdec.models import gemma_jax
+from specdec.models.fp8_jax import quantize
+from specdec.models.gemma_torch import GemmaModel
 from specdec.models.random_init import MULTIMODAL_VARIANT, VARIANTS, build_hf_model
-from specdec.models.torch_gemma import GemmaModel
 
 TOL = 1e-4
 N = 40
@@ -33,12 +33,12 @@ class Pair:
     """One variant in both frameworks: each runs a list of (tokens, positions) chunks on a fresh cache."""
 
     def __init__(self, path, variant):
-        self.cfg, self.params = jax_gemma.load_params(path, jnp.float32)
+        self.cfg, self.params = gemma_jax.load_params(path, jnp.float32)
         self.torch_model = GemmaModel.from_checkpoint(path, max_seq_len=MAX_SEQ)
         self.taps = (0, self.cfg.num_layers // 2)
         cfg, taps = self.cfg, self.taps
         self.forward = jax.jit(
-            lambda p, t, pos, c: jax_gemma.forward(p, cfg, t, pos, c, hidden_layers=taps), donate_argnums=3
+            lambda p, t, pos, c: gemma_jax.forward(p, cfg, t, pos, c, hidden_layers=taps), donate_argnums=3
         )
         self.tokens = np.asarray(
             torch.randint(3, cfg.vocab_size, (2, N), generator=torch.Generator().manual_seed(7))
@@ -47,7 +47,7 @@ class Pair:
             self.ref = build_hf_model(variant)(torch.as_tensor(self.tokens), output_hidden_states=True)
 
     def run_jax(self, chunks):
-        cache = jax_gemma.init_cache(self.cfg, len(chunks[0][0]), MAX_SEQ, K_MAX, jnp.float32)
+        cache = gemma_jax.init_cache(self.cfg, len(chunks[0][0]), MAX_SEQ, K_MAX, jnp.float32)
         outs = []
         for tokens, positions in chunks:
             logits, hidden, cache = self.forward(self.params, jnp.asarray(tokens), jnp.asarray(positions, jnp.int32), cache)
@@ -143,18 +143,18 @@ def test_hidden_states_of_chosen_layers(pair):
 
 def test_packed_projections_compute_the_same_model(pair):
     """The engines' weights: each layer's q/k/v (those it has) and gate/up in one matrix, read by one GEMM."""
-    packed = jax_gemma.pack_projections(pair.params)
+    packed = gemma_jax.pack_projections(pair.params)
     for spec in pair.cfg.layers:
         p = f"layers.{spec.index}."
         members = ["q_proj"] + (["k_proj"] + ([] if spec.k_eq_v else ["v_proj"]) if spec.owns_cache else [])
         attention = [f"{p}self_attn.{m}.weight" for m in members]
         if len(members) > 1:
             assert not any(name in packed for name in attention)
-            assert np.array_equal(packed[jax_gemma.packed_name(p + "self_attn.", members)],
+            assert np.array_equal(packed[gemma_jax.packed_name(p + "self_attn.", members)],
                                   np.concatenate([pair.params[name] for name in attention]))
         else:
             assert packed[attention[0]] is pair.params[attention[0]]
-        assert jax_gemma.packed_name(p + "mlp.", ["gate_proj", "up_proj"]) in packed
+        assert gemma_jax.packed_name(p + "mlp.", ["gate_proj", "up_proj"]) in packed
         assert f"{p}mlp.gate_proj.weight" not in packed and f"{p}mlp.down_proj.weight" in packed
     pair.params, original = packed, pair.params
     try:  # a wider product may round otherwise: held to transformers as the unpacked weights are
@@ -168,8 +168,8 @@ def test_packed_projections_compute_the_same_model(pair):
 
 def test_random_weights_made_packed_are_the_packed_random_weights(pair):
     key = jax.random.key(1)
-    packed = jax_gemma.random_params(pair.cfg, key, jnp.float32, pack=True)
-    expected = jax_gemma.pack_projections(jax_gemma.random_params(pair.cfg, key, jnp.float32))
+    packed = gemma_jax.random_params(pair.cfg, key, jnp.float32, pack=True)
+    expected = gemma_jax.pack_projections(gemma_jax.random_params(pair.cfg, key, jnp.float32))
     assert packed.keys() == expected.keys()
     assert all(np.array_equal(packed[name], expected[name]) for name in expected)
 
@@ -178,11 +178,11 @@ def test_random_weights_placed_a_layer_at_a_time_are_the_random_weights(pair):
     key, placed = jax.random.key(1), []
 
     def to_host(layer):
-        placed.append(sorted({jax_gemma.layer_prefix(name) for name in layer}))
+        placed.append(sorted({gemma_jax.layer_prefix(name) for name in layer}))
         return jax.device_get(layer)
 
-    on_host = jax_gemma.random_params(pair.cfg, key, jnp.float32, place=to_host)
-    expected = jax_gemma.random_params(pair.cfg, key, jnp.float32)
+    on_host = gemma_jax.random_params(pair.cfg, key, jnp.float32, place=to_host)
+    expected = gemma_jax.random_params(pair.cfg, key, jnp.float32)
     assert all(len(prefixes) == 1 for prefixes in placed)  # one layer's, or tensors of no layer, a call
     assert len({prefix for prefix, in placed}) == pair.cfg.num_layers + 1
     assert on_host.keys() == expected.keys() and all(isinstance(a, np.ndarray) for a in on_host.values())
@@ -190,8 +190,8 @@ def test_random_weights_placed_a_layer_at_a_time_are_the_random_weights(pair):
 
 
 def test_multimodal_checkpoint_loads_the_text_model(random_checkpoints):
-    cfg, params = jax_gemma.load_params(random_checkpoints[MULTIMODAL_VARIANT], jnp.float32)
-    dense_cfg, dense = jax_gemma.load_params(random_checkpoints["gemma4_dense"], jnp.float32)
+    cfg, params = gemma_jax.load_params(random_checkpoints[MULTIMODAL_VARIANT], jnp.float32)
+    dense_cfg, dense = gemma_jax.load_params(random_checkpoints["gemma4_dense"], jnp.float32)
     assert cfg == dense_cfg and params.keys() == dense.keys()
     assert all(np.array_equal(params[name], dense[name]) for name in dense)
 
@@ -210,9 +210,9 @@ NEW_TOKENS = 64
 def test_real_gemma3_270m_greedy_matches_transformers():
     from transformers import Gemma3ForCausalLM
 
+    from specdec.engines.verifier_jax import JaxEngine
     from specdec.models.gguf_import import default_checkpoint
     from specdec.models.tokenizer import Tokenizer
-    from specdec.verifiers.jax_engine import JaxEngine
 
     path = default_checkpoint()
     tokenizer = Tokenizer.from_dir(path)
@@ -235,19 +235,19 @@ def test_a_split_linear_is_the_product_in_slices_added_in_order():
     key_x, key_w = jax.random.split(jax.random.key(5))
     x = jax.random.normal(key_x, (1, 8, 640), jnp.float32)
     weight = jax.random.normal(key_w, (4096, 640), jnp.float32)
-    assert jax_gemma._split_product(x, weight, multiple=32).shape == (4, 1, 8, 4096)
-    assert jax_gemma._split_product(x, weight).shape == (2, 1, 8, 4096)  # q/k/v's slices: a multiple of 64
-    slices = np.asarray(jax_gemma._split_product(x, weight, multiple=32))
+    assert gemma_jax._split_product(x, weight, multiple=32).shape == (4, 1, 8, 4096)
+    assert gemma_jax._split_product(x, weight).shape == (2, 1, 8, 4096)  # q/k/v's slices: a multiple of 64
+    slices = np.asarray(gemma_jax._split_product(x, weight, multiple=32))
     in_order = ((slices[0] + slices[1]) + slices[2]) + slices[3]
-    assert np.array_equal(np.asarray(jax_gemma._split_linear(x, weight)), in_order)
-    np.testing.assert_allclose(in_order, np.asarray(jax_gemma._linear(x, weight)), rtol=1e-4, atol=1e-3)
+    assert np.array_equal(np.asarray(gemma_jax._split_linear(x, weight)), in_order)
+    np.testing.assert_allclose(in_order, np.asarray(gemma_jax._linear(x, weight)), rtol=1e-4, atol=1e-3)
     wide = jax.random.normal(key_w, (20480, 64), jnp.float32)
-    assert jax_gemma._split_product(x[..., :64], wide, multiple=32).shape[0] == 1
+    assert gemma_jax._split_product(x[..., :64], wide, multiple=32).shape[0] == 1
 
 
 def test_a_decode_forwards_down_proj_splits_in_eight_where_its_weight_is_large(monkeypatch):
     """A down_proj of DOWN_SPLIT_BYTES or more for each 8 rows (at 8 rows E4B's in bf16, the 31B's in bf16 and FP8;
-    at 16 the 31B's) in a decode forward: 8 slices (jax_gemma.DOWN_SPLITS); a smaller one (the 270M's, E4B's in FP8,
+    at 16 the 31B's) in a decode forward: 8 slices (gemma_jax.DOWN_SPLITS); a smaller one (the 270M's, E4B's in FP8,
     E4B's at 16 rows) 4, which ran as fast or faster."""
     key_x, key_w = jax.random.split(jax.random.key(6))
     cases = [(fp8, rows, large) for fp8 in (False, True) for rows in (8, 16) for large in (False, True)]
@@ -260,6 +260,6 @@ def test_a_decode_forwards_down_proj_splits_in_eight_where_its_weight_is_large(m
             params = {name: quantize(weight) for name, weight in params.items()}
         down = params["mlp.down_proj.weight"]
         per_8_rows = (down.values if fp8 else down).nbytes // (rows // 8)
-        monkeypatch.setattr(jax_gemma, "DOWN_SPLIT_BYTES", per_8_rows if large else per_8_rows + 1)
+        monkeypatch.setattr(gemma_jax, "DOWN_SPLIT_BYTES", per_8_rows if large else per_8_rows + 1)
         splits = 8 if large else 4
-        assert jax_gemma._mlp(params, "mlp.", x, split=True).shape == (splits, 1, rows, 640), (fp8, rows, large)
+        assert gemma_jax._mlp(params, "mlp.", x, split=True).shape == (splits, 1, rows, 640), (fp8, rows, large)

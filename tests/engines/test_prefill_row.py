@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.verifiers.test_row_invariance import ENGINES, host
+from tests.engines.test_row_invariance import ENGINES, host
 
 PROMPTS = [[2] + np.random.default_rng(seed).integers(3, 500, n).tolist() for seed, n in ((5, 13), (6, 30), (7, 4))]
 STEPS = 24

@@ -1,4 +1,4 @@
-"""jax_decode_attention: the Pallas kernels, run by Pallas's interpreter on the CPU, against float64 and a row
+"""decode_attention_jax: the Pallas kernels, run by Pallas's interpreter on the CPU, against float64 and a row
 independent of the others; the JAX engine with them, whose greedy speculative output is the plain decode's and whose
 plain decode is the XLA attention's; on a GPU, the compiled kernels in bf16 against float64, and in the engine."""
 
@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec.models import jax_decode_attention, jax_decode_mlp, jax_decode_norms, jax_gemma
-from specdec.models.jax_gemma import _apply_rope, _rms_norm, _rope_cos_sin
+from specdec.engines.verifier_jax import JaxEngine
+from specdec.models import decode_attention_jax, decode_mlp_jax, decode_norms_jax, gemma_jax
+from specdec.models.gemma_jax import _apply_rope, _rms_norm, _rope_cos_sin
 from specdec.models.random_init import write_random_checkpoint
-from specdec.verifiers.jax_engine import JaxEngine
 
 SHAPES = {  # batch, KV heads, query heads per KV head, tokens, slots, head_dim, sliding window (0: none)
     "270m sliding": (1, 1, 4, 16, 576, 256, 512),
@@ -58,19 +58,19 @@ def float64_attention(q, keys, values, stored, lowest, highest, scale):
 def in_float32(interpreted: bool = True):
     """float32 products in float32 (JAX's default on GPUs is TF32), and the kernels through Pallas's interpreter."""
     with jax.default_matmul_precision("highest"), \
-            jax_decode_attention.interpreted() if interpreted else contextlib.nullcontext():
+            decode_attention_jax.interpreted() if interpreted else contextlib.nullcontext():
         yield
 
 
 def attend(*args):
-    return jax.jit(lambda *a: jax_decode_attention.attend(*a, 0.0625))(*args)
+    return jax.jit(lambda *a: decode_attention_jax.attend(*a, 0.0625))(*args)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_the_kernel_against_float64(name):
     args = case(SHAPES[name], seed=1, dtype=jnp.float32)
     with in_float32():
-        assert jax_decode_attention.takes(args[0], args[1], None)
+        assert decode_attention_jax.takes(args[0], args[1], None)
         out = attend(*args)
     assert out.shape == args[0].shape and out.dtype == jnp.float32
     assert np.abs(np.asarray(out, np.float64) - float64_attention(*args, 0.0625)).max() < 1e-5
@@ -87,12 +87,12 @@ def test_a_rows_output_depends_on_its_own_query_alone():
 
 def test_what_the_kernel_does_not_take():
     q, keys, *_ = case(SHAPES["random test model"], seed=3, dtype=jnp.bfloat16)
-    with jax_decode_attention.interpreted():
-        assert not jax_decode_attention.takes(q, keys, 50.0)  # a logit softcap
-        assert not jax_decode_attention.takes(q[:, :4], keys, None)  # 8 rows: not a whole block of 16
-        assert not jax_decode_attention.takes(q, keys[:, :, :40], None)  # slots in no whole split
+    with decode_attention_jax.interpreted():
+        assert not decode_attention_jax.takes(q, keys, 50.0)  # a logit softcap
+        assert not decode_attention_jax.takes(q[:, :4], keys, None)  # 8 rows: not a whole block of 16
+        assert not decode_attention_jax.takes(q, keys[:, :, :40], None)  # slots in no whole split
     if jax.default_backend() != "gpu":
-        assert not jax_decode_attention.takes(q, keys, None)  # compiled on GPUs alone
+        assert not decode_attention_jax.takes(q, keys, None)  # compiled on GPUs alone
 
 
 PROMPT, NEW_TOKENS, K_MAX = [2] + list(np.random.default_rng(0).integers(3, 512, 30)), 48, 4
@@ -139,7 +139,7 @@ def recorded_calls(monkeypatch, module, name: str, record) -> list:
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list:
     """The key shapes of the forwards traced through the kernel."""
-    return recorded_calls(monkeypatch, jax_decode_attention, "attend", lambda args, _: args[1].shape)
+    return recorded_calls(monkeypatch, decode_attention_jax, "attend", lambda args, _: args[1].shape)
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_dense"])
@@ -169,7 +169,7 @@ def test_on_a_gpu_the_kernel_keeps_speculative_output_plain_decodings(random_che
 def test_the_compiled_kernel_in_bf16_against_float64(name):
     """No further from float64 than XLA's own attention in bf16 (products, softmax in float32, products)."""
     args = case(SHAPES[name], seed=4, dtype=jnp.bfloat16)
-    assert jax_decode_attention.takes(args[0], args[1], None)
+    assert decode_attention_jax.takes(args[0], args[1], None)
     exact = float64_attention(*args, 0.0625)
     ours = np.abs(np.asarray(attend(*args), np.float64) - exact).max()
     q, keys, values, stored, lowest, highest = args
@@ -211,12 +211,12 @@ def inputs_case(shape, seed: int, dtype):
 
 
 def norm_config(gemma4: bool):
-    """The config fields jax_gemma's norms read: Gemma 4 scales by w, Gemma 3 by 1 + w."""
+    """The config fields gemma_jax's norms read: Gemma 4 scales by w, Gemma 3 by 1 + w."""
     return types.SimpleNamespace(is_gemma4=gemma4, rms_norm_eps=1e-6, norm_weight_offset=0.0 if gemma4 else 1.0)
 
 
 def xla_inputs(partials, q_weight, k_weight, cos, sin, slots, keys, values, *, q_heads, gemma4):
-    """What jax_gemma's decode forward computes without the kernel: the product in the model's dtype, then its own
+    """What gemma_jax's decode forward computes without the kernel: the product in the model's dtype, then its own
     norm, RoPE and cache writes."""
     cfg = norm_config(gemma4)
     projected = sum(partials[1:], partials[0]).astype(cos.dtype)
@@ -233,10 +233,10 @@ def xla_inputs(partials, q_weight, k_weight, cos, sin, slots, keys, values, *, q
 
 
 def inputs_kernel(shape, dtype):
-    """jax_decode_attention.inputs for a case of `shape` in `dtype`."""
+    """decode_attention_jax.inputs for a case of `shape` in `dtype`."""
     _, _, q_heads, kv_heads, _, _, gemma4, _ = shape
     cfg = norm_config(gemma4)
-    return functools.partial(jax_decode_attention.inputs, q_heads=q_heads, kv_heads=kv_heads, eps=cfg.rms_norm_eps,
+    return functools.partial(decode_attention_jax.inputs, q_heads=q_heads, kv_heads=kv_heads, eps=cfg.rms_norm_eps,
                              weight_offset=cfg.norm_weight_offset, v_norm=gemma4, dtype=dtype)
 
 
@@ -254,7 +254,7 @@ def test_the_inputs_kernel_computes_what_the_layer_computes_without_it(name):
     _, _, q_heads, kv_heads, head_dim, _, _, writes = shape
     args = inputs_case(shape, seed=5, dtype=jnp.float32)
     with in_float32():
-        assert jax_decode_attention.takes_inputs(q_heads, kv_heads, head_dim, jnp.float32)
+        assert decode_attention_jax.takes_inputs(q_heads, kv_heads, head_dim, jnp.float32)
         ours = run_inputs(args, shape)
     theirs = run_inputs(args, shape, kernel=False)
     assert ours[0].shape == theirs[0].shape
@@ -282,46 +282,46 @@ def test_a_tokens_inputs_depend_on_its_own_projection_alone():
 
 
 def test_what_the_inputs_kernel_does_not_take():
-    with jax_decode_attention.interpreted():
-        assert not jax_decode_attention.takes_inputs(6, 2, 256, jnp.bfloat16)  # 3 query heads a KV head: no whole tile
-        assert not jax_decode_attention.takes_inputs(4, 1, 96, jnp.bfloat16)
+    with decode_attention_jax.interpreted():
+        assert not decode_attention_jax.takes_inputs(6, 2, 256, jnp.bfloat16)  # 3 query heads a KV head: no whole tile
+        assert not decode_attention_jax.takes_inputs(4, 1, 96, jnp.bfloat16)
     if jax.default_backend() != "gpu":
-        assert not jax_decode_attention.takes_inputs(4, 1, 256, jnp.bfloat16)  # compiled on GPUs alone
+        assert not decode_attention_jax.takes_inputs(4, 1, 256, jnp.bfloat16)  # compiled on GPUs alone
 
 
 @pytest.fixture
 def inputs_calls(monkeypatch) -> list:
     """(the projection's splits, whether the layer writes keys) of the layers traced through the inputs kernel."""
-    return recorded_calls(monkeypatch, jax_decode_attention, "inputs",
+    return recorded_calls(monkeypatch, decode_attention_jax, "inputs",
                           lambda args, _: (args[0].shape[0], args[6] is not None))
 
 
 @pytest.fixture
 def norms_calls(monkeypatch) -> list:
     """(the product's splits, whether a layer scalar scales x, whether x is normed for what follows) of the residual
-    adds traced through jax_decode_norms' kernel."""
-    return recorded_calls(monkeypatch, jax_decode_norms, "residual_norms",
+    adds traced through decode_norms_jax' kernel."""
+    return recorded_calls(monkeypatch, decode_norms_jax, "residual_norms",
                           lambda args, _: (args[0].shape[0], len(args) > 4 and args[4] is not None,
                                            args[3] is not None))
 
 
 @pytest.fixture
 def gated_calls(monkeypatch) -> list:
-    """The features of the feed-forwards traced through jax_decode_mlp's gate/up and GELU kernel."""
-    return recorded_calls(monkeypatch, jax_decode_mlp, "gated", lambda args, _: args[1].shape[0] // 2)
+    """The features of the feed-forwards traced through decode_mlp_jax's gate/up and GELU kernel."""
+    return recorded_calls(monkeypatch, decode_mlp_jax, "gated", lambda args, _: args[1].shape[0] // 2)
 
 
 @pytest.fixture
 def per_layer_gate_calls(monkeypatch) -> list:
-    """The features of the Gemma 4 per-layer gates traced through jax_decode_mlp's kernel."""
-    return recorded_calls(monkeypatch, jax_decode_mlp, "per_layer_gated", lambda args, _: args[1].shape[0])
+    """The features of the Gemma 4 per-layer gates traced through decode_mlp_jax's kernel."""
+    return recorded_calls(monkeypatch, decode_mlp_jax, "per_layer_gated", lambda args, _: args[1].shape[0])
 
 
 @pytest.fixture
 def prefetch_calls(monkeypatch) -> dict:
     """How many weights each residual add and attention partials kernel traced reads ahead into L2, by kernel."""
     return {name: recorded_calls(monkeypatch, module, name, lambda _, kwargs: len(kwargs.get("prefetch", ())))
-            for module, name in ((jax_decode_norms, "residual_norms"), (jax_decode_attention, "partials"))}
+            for module, name in ((decode_norms_jax, "residual_norms"), (decode_attention_jax, "partials"))}
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_e"])
@@ -333,16 +333,16 @@ def test_the_engine_with_every_kernel_decodes_what_it_decodes_without(tmp_path, 
     (reduction_splits), which the kernels add; gemma4_e's KV-shared layers take the inputs kernel for q alone.
     Residual adds: after attention, on o_proj's product (a reduction of 64 on sliding layers: one product; of 128 on
     gemma4_e's full layers: two slices); each layer's last but the last layer's, on down_proj's product (an
-    intermediate size of 512: eight slices, as large weights take them, jax_gemma.DOWN_SPLITS), or on gemma4_e's
+    intermediate size of 512: eight slices, as large weights take them, gemma_jax.DOWN_SPLITS), or on gemma4_e's
     per-layer projection (one product) and layer scalar; gemma4_e's add after down_proj (eight slices, its KV-shared
     layers' double-wide MLP's too), with no norm after it.
     Read ahead into L2: by attention's partials, gate/up, down and o_proj where it is a whole block (gemma4_e's full
     layers' 128 x 128, not the 128 x 64 of the others); by each layer's last residual add, the next layer's q/k/v
     (not q alone, as gemma4_e's KV-shared layers have it: less than a block); by the last layer's, nothing.
-    Gate/up with its GELU in jax_decode_mlp's kernel: 512 features, 1,024 on gemma4_e's double-wide MLP; and there
+    Gate/up with its GELU in decode_mlp_jax's kernel: 512 features, 1,024 on gemma4_e's double-wide MLP; and there
     gemma4_e's per-layer gates, with per-layer inputs of 16 (a whole block; the variant's own 8 is not)."""
     per_layer = {"hidden_size_per_layer_input": 16} if variant == "gemma4_e" else {}  # a whole block of the kernel's
-    monkeypatch.setattr(jax_gemma, "DOWN_SPLIT_BYTES", 0)
+    monkeypatch.setattr(gemma_jax, "DOWN_SPLIT_BYTES", 0)
     path = write_random_checkpoint(variant, tmp_path / variant, hidden_size=128, intermediate_size=512, **per_layer)
     reference, plain, speculative = reference_plain_and_speculative(path, inputs_calls, norms_calls, gated_calls,
                                                                     per_layer_gate_calls, *prefetch_calls.values())
@@ -369,7 +369,7 @@ def test_the_compiled_inputs_kernel_in_bf16_against_float64(name):
     shape = INPUT_SHAPES[name]
     _, _, q_heads, kv_heads, head_dim, _, _, writes = shape
     args = inputs_case(shape, seed=7, dtype=jnp.bfloat16)
-    assert jax_decode_attention.takes_inputs(q_heads, kv_heads, head_dim, jnp.bfloat16)
+    assert decode_attention_jax.takes_inputs(q_heads, kv_heads, head_dim, jnp.bfloat16)
     exact = run_inputs(tuple(a.astype(jnp.float32) if a is not None and a.dtype == jnp.bfloat16 else a for a in args),
                        shape, kernel=False)
     ours, theirs = run_inputs(args, shape), run_inputs(args, shape, kernel=False)
@@ -394,7 +394,7 @@ def prefetching_copy(x, weights, interpret: bool):
         out_ref[...] = x_ref[...]
 
     spec = pl.BlockSpec((None, 4, 128), lambda i, j: (i, j, 0))
-    kernel, grid, in_specs, out_specs, out_shape, blocks = jax_decode_attention.with_prefetch(
+    kernel, grid, in_specs, out_specs, out_shape, blocks = decode_attention_jax.with_prefetch(
         copy, (4, 2), [spec], [spec], [jax.ShapeDtypeStruct(x.shape, x.dtype)], weights)
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           interpret=interpret)(x, *blocks)
@@ -403,7 +403,7 @@ def prefetching_copy(x, weights, interpret: bool):
 def check_prefetching_copy(interpret: bool):
     rng = np.random.default_rng(11)
     x = jnp.asarray(rng.standard_normal((4, 8, 128)), jnp.float32)
-    block = jax_decode_attention.PREFETCH_BLOCK
+    block = decode_attention_jax.PREFETCH_BLOCK
     weights = [jnp.asarray(rng.standard_normal((2 * block // 64, 64)), jnp.bfloat16),
                jnp.asarray(rng.standard_normal((3, block)), jnp.bfloat16)]
     copied, maxima = jax.jit(lambda x, *w: prefetching_copy(x, w, interpret))(x, *weights)
@@ -420,10 +420,10 @@ def test_prefetch_programs_read_each_block_and_leave_the_kernel_alone():
 
 
 def test_what_is_prefetched():
-    block = jax_decode_attention.PREFETCH_BLOCK
+    block = decode_attention_jax.PREFETCH_BLOCK
     small, ragged = jnp.zeros((4, block), jnp.bfloat16), jnp.zeros((block + 64,), jnp.bfloat16)
-    large = jax.ShapeDtypeStruct((jax_decode_attention.PREFETCH_MAX_BYTES // block + block, block // 2), jnp.bfloat16)
-    assert jax_decode_attention.prefetched(small, None, ragged, large, small) == (small, small)
+    large = jax.ShapeDtypeStruct((decode_attention_jax.PREFETCH_MAX_BYTES // block + block, block // 2), jnp.bfloat16)
+    assert decode_attention_jax.prefetched(small, None, ragged, large, small) == (small, small)
 
 
 @pytest.mark.parametrize("name", ["270m sliding", "random test model"])
@@ -433,9 +433,9 @@ def test_the_partials_kernel_computes_the_same_with_weights_to_prefetch(name):
     B, T, heads, groups, head_dim = q.shape
     rows = q.transpose(0, 2, 1, 3, 4).reshape(B, heads, T * groups, head_dim)
     low, high = (jnp.repeat(bound, groups, axis=1) for bound in (lowest, highest))
-    weights = [jnp.ones((jax_decode_attention.PREFETCH_BLOCK * 3,), jnp.bfloat16)]
+    weights = [jnp.ones((decode_attention_jax.PREFETCH_BLOCK * 3,), jnp.bfloat16)]
     with in_float32():
-        run = jax.jit(lambda prefetch: jax_decode_attention.partials(rows, keys, values, stored, low, high, 0.0625,
+        run = jax.jit(lambda prefetch: decode_attention_jax.partials(rows, keys, values, stored, low, high, 0.0625,
                                                                       prefetch))
         for got, want in zip(run(weights), run([])):
             assert np.array_equal(np.asarray(got), np.asarray(want))

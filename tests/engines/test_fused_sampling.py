@@ -10,11 +10,13 @@ import torch
 
 from specdec import gates
 from specdec.drafters.ngram import NgramDrafter
+from specdec.engines.cycle_jax import JaxFusedCycle
+from specdec.engines.cycle_torch import FusedCycle
+from specdec.engines.verifier_jax import JaxEngine
+from specdec.engines.verifier_torch import TorchEngine
 from specdec.generate import HostCycle, StopCondition, run_cycles
-from specdec.models.torch_gemma import GemmaModel
+from specdec.models.gemma_torch import GemmaModel
 from specdec.sampling import SamplingParams
-from specdec.verifiers.jax_engine import JaxEngine, JaxFusedCycle
-from specdec.verifiers.torch_engine import FusedCycle, TorchEngine
 
 VARIANT = "gemma3"  # this random checkpoint repeats itself, so n-gram drafts are often right
 PROMPTS = [[2, 5, 6, 7, 5, 6, 7, 5, 6], [2, 9, 9, 9, 9]]

@@ -1,16 +1,16 @@
-"""jax_decode_mlp: the gate/up and GELU kernel, run by Pallas's interpreter on the CPU, against the layer's own XLA path
+"""decode_mlp_jax: the gate/up and GELU kernel, run by Pallas's interpreter on the CPU, against the layer's own XLA path
 and a row independent of the others; on a GPU, compiled in bf16 against float64. The engine with it is tested with
-every kernel in test_jax_decode_attention.py."""
+every kernel in test_decode_attention_jax.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec.models import jax_decode_mlp
-from specdec.models.jax_fp8 import quantize
-from specdec.models.jax_gemma import _gelu, _linear
-from tests.models.test_jax_decode_attention import in_float32, jax_gpu
+from specdec.models import decode_mlp_jax
+from specdec.models.fp8_jax import quantize
+from specdec.models.gemma_jax import _gelu, _linear
+from tests.models.test_decode_attention_jax import in_float32, jax_gpu
 
 SHAPES = {  # batch, tokens, hidden, features of gate (and of up)
     "270m": (1, 8, 640, 2048),
@@ -31,13 +31,13 @@ def case(shape, seed: int, dtype):
 
 
 def xla_gated(x, weight):
-    """What jax_gemma's feed-forward computes without the kernel: gate/up's product, then gelu_tanh(gate) * up."""
+    """What gemma_jax's feed-forward computes without the kernel: gate/up's product, then gelu_tanh(gate) * up."""
     gate, up = jnp.split(_linear(x, weight), 2, axis=-1)
     return _gelu(gate) * up
 
 
 def gated(x, weight):
-    return jax.jit(jax_decode_mlp.gated)(x, weight)
+    return jax.jit(decode_mlp_jax.gated)(x, weight)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -65,7 +65,7 @@ def test_what_the_kernel_does_not_take():
         return jax.ShapeDtypeStruct((2 * features, hidden), jnp.bfloat16)
 
     def takes(weight, rows: int = 8):
-        return jax_decode_mlp.takes(weight, rows, jnp.bfloat16)
+        return decode_mlp_jax.takes(weight, rows, jnp.bfloat16)
 
     with in_float32():
         assert takes(weight(2048, 640))  # the 270M's 5 MB
@@ -118,9 +118,9 @@ def per_layer_case(shape, seed: int, dtype):
 
 
 def per_layer_gated(x, weight, per_layer, layer: int, kernel: bool = True):
-    """The kernel, or what jax_gemma's layer computes without it."""
+    """The kernel, or what gemma_jax's layer computes without it."""
     if kernel:
-        return jax.jit(lambda *a: jax_decode_mlp.per_layer_gated(*a, layer)[0])(x, weight, per_layer)
+        return jax.jit(lambda *a: decode_mlp_jax.per_layer_gated(*a, layer)[0])(x, weight, per_layer)
     return jax.jit(lambda x, w, p: _gelu(_linear(x, w)) * p[:, :, layer])(x, weight, per_layer)
 
 
@@ -129,7 +129,7 @@ def test_the_per_layer_gate_computes_what_the_layer_computes_without_it(name):
     x, weight, per_layer = per_layer_case(PER_LAYER_SHAPES[name], seed=4, dtype=jnp.float32)
     layer = per_layer.shape[2] - 1
     with in_float32():
-        assert jax_decode_mlp.takes_per_layer_gate(weight, x.shape[0] * x.shape[1], x.dtype)
+        assert decode_mlp_jax.takes_per_layer_gate(weight, x.shape[0] * x.shape[1], x.dtype)
         ours = per_layer_gated(x, weight, per_layer, layer)
     theirs = per_layer_gated(x, weight, per_layer, layer, kernel=False)
     assert ours.shape == theirs.shape == (*x.shape[:2], weight.shape[0])
@@ -155,8 +155,8 @@ def counters_after_two_layers(shape, dtype):
 
     @jax.jit
     def two_layers(x, weight, per_layer):
-        first, arrivals = jax_decode_mlp.per_layer_gated(x, weight, per_layer, 0)
-        second, arrivals = jax_decode_mlp.per_layer_gated(x, weight, per_layer, 1, arrivals)
+        first, arrivals = decode_mlp_jax.per_layer_gated(x, weight, per_layer, 0)
+        second, arrivals = decode_mlp_jax.per_layer_gated(x, weight, per_layer, 1, arrivals)
         return arrivals, second, first
 
     arrivals, second, first = (np.asarray(a) for a in two_layers(x, weight, per_layer))
@@ -177,7 +177,7 @@ def test_the_per_layer_gate_leaves_its_counters_zero_for_the_next_layer():
 def test_what_the_per_layer_gate_does_not_take():
     def takes(features: int, hidden: int, rows: int = 8):
         weight = jax.ShapeDtypeStruct((features, hidden), jnp.bfloat16)
-        return jax_decode_mlp.takes_per_layer_gate(weight, rows, jnp.bfloat16)
+        return decode_mlp_jax.takes_per_layer_gate(weight, rows, jnp.bfloat16)
 
     with in_float32():
         assert takes(256, 2560)  # E4B's

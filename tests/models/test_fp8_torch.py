@@ -1,4 +1,4 @@
-"""FP8 weights in the torch engine (specdec.models.torch_fp8): the JAX engine's quantized bits, what the model stores,
+"""FP8 weights in the torch engine (specdec.models.fp8_torch): the JAX engine's quantized bits, what the model stores,
 the model its values and scales stand for, the error of what it does not take; on Hopper, skinny_gemm's FP8 products
 against float64 and the compiled engine's rows bitwise invariant, so greedy speculative output is the plain decode's."""
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.models import fp8, jax_fp8, skinny_gemm, torch_fp8
+from specdec.models import fp8, fp8_jax, fp8_torch, skinny_gemm
 from specdec.models.checkpoint import load_checkpoint
-from specdec.models.torch_gemma import GemmaModel
+from specdec.models.gemma_torch import GemmaModel
 from tests.models.test_skinny_gemm import bf16
 
 hopper = pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton and Hopper")
@@ -22,8 +22,8 @@ def test_quantize_holds_the_jax_engines_bits():
     generator = torch.Generator().manual_seed(0)
     w = torch.randn(96, 80, generator=generator) * torch.logspace(-4, 2, 96)[:, None]
     w[7] = 0.0
-    values, scale = torch_fp8.quantize(w)
-    reference = jax_fp8.quantize(jnp.asarray(w.numpy()))
+    values, scale = fp8_torch.quantize(w)
+    reference = fp8_jax.quantize(jnp.asarray(w.numpy()))
     assert values.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
     assert np.array_equal(values.view(torch.uint8).numpy(), np.asarray(reference.values).view(np.uint8))
     assert np.array_equal(scale.numpy(), np.asarray(reference.scale))
@@ -31,11 +31,11 @@ def test_quantize_holds_the_jax_engines_bits():
 
 def test_the_product_is_the_dequantized_weights():
     generator = torch.Generator().manual_seed(1)
-    values, scale = torch_fp8.quantize(torch.randn(40, 24, generator=generator))
+    values, scale = fp8_torch.quantize(torch.randn(40, 24, generator=generator))
     x = torch.randn(2, 3, 24, generator=generator)
-    out = torch_fp8.product(x, values, scale)
+    out = fp8_torch.product(x, values, scale)
     assert out.shape == (2, 3, 40) and out.dtype == torch.float32
-    torch.testing.assert_close(out, x @ torch_fp8.dequantized(values, scale).T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, x @ fp8_torch.dequantized(values, scale).T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma4_e", "gemma4_moe"])
@@ -63,9 +63,9 @@ def test_an_fp8_model_computes_the_model_its_weights_stand_for(random_checkpoint
     cfg, tensors = load_checkpoint(path, framework="pt", dtype=torch.float32)
     for name, weight in list(tensors.items()):
         if fp8.quantizes(name, weight.shape):
-            tensors[name] = torch_fp8.dequantized(*torch_fp8.quantize(weight))
+            tensors[name] = fp8_torch.dequantized(*fp8_torch.quantize(weight))
     if cfg.tie_word_embeddings:
-        tensors["lm_head.weight"] = torch_fp8.dequantized(*torch_fp8.quantize(tensors["embed_tokens.weight"]))
+        tensors["lm_head.weight"] = fp8_torch.dequantized(*fp8_torch.quantize(tensors["embed_tokens.weight"]))
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     with torch.device("meta"):
         reference = GemmaModel(cfg, 64)
@@ -84,7 +84,7 @@ def test_fp8_weights_in_two_parts_on_one_device_decode_as_unsplit(random_checkpo
     """float32 on the CPU: FP8 weights in two tensor-parallel parts (the parts' scales packed as their rows, the
     row-parallel linears' whole rows' scales for each part) decode the unsplit FP8 model's tokens (two devices:
     test_torch_tensor_parallel)."""
-    from specdec.verifiers.torch_engine import TorchEngine
+    from specdec.engines.verifier_torch import TorchEngine
 
     path = random_checkpoints["gemma4_e"]
     whole = GemmaModel.from_checkpoint(path, fp8=True, max_seq_len=64)
@@ -107,7 +107,7 @@ SHAPES = {  # columns, reduction: one step a slice, unrolled steps, a pipelined 
 def test_each_fp8_slice_is_its_scaled_product(name, rows):
     columns, reduction = SHAPES[name]
     x = bf16(rows, reduction, seed=0)
-    values, scale = torch_fp8.quantize(bf16(columns, reduction, seed=1))
+    values, scale = fp8_torch.quantize(bf16(columns, reduction, seed=1))
     splits = skinny_gemm.fp8_splits(rows, columns, reduction)
     products = torch.ops.specdec.split_products(x, values, splits, scale)
     assert products.shape == (splits, rows, columns) and products.dtype == torch.float32
@@ -139,7 +139,7 @@ def test_the_kernel_reads_every_fp8_value_exactly():
 @hopper
 def test_a_rows_fp8_products_do_not_depend_on_the_other_rows():
     columns, reduction = SHAPES["e4b down"]
-    values, scale = torch_fp8.quantize(bf16(columns, reduction, seed=3))
+    values, scale = fp8_torch.quantize(bf16(columns, reduction, seed=3))
     x = bf16(16, reduction, seed=2)
     splits = skinny_gemm.fp8_splits(16, columns, reduction)
     reference = torch.ops.specdec.split_products(x, values, splits, scale)
@@ -154,7 +154,7 @@ def test_a_rows_fp8_products_do_not_depend_on_the_other_rows():
 def test_on_a_gpu_fp8_rows_are_bitwise_invariant(random_checkpoints, variant):
     """bf16 activations over FP8 linears through torch.compile (skinny_gemm's FP8 kernel) and CUDA graph replays: a
     token's logits, taps and committed keys/values are the same at any row of any verify width as in plain decode."""
-    from tests.verifiers.test_row_invariance import WIDTHS, assert_same, feed, torch_engine
+    from tests.engines.test_row_invariance import WIDTHS, assert_same, feed, torch_engine
 
     engine = torch_engine(random_checkpoints[variant], "bfloat16", device="cuda", fp8=True)
     assert engine.use_graphs and engine.model.fp8

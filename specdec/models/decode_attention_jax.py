@@ -2,7 +2,7 @@
 
 XLA ran a sliding layer's decode attention on the 270M as five kernels: the scores' product, the masked softmax, the
 value product split over the slots, its reduction and a transpose (docs/journal). This is the flash-decoding
-split the torch engine runs (decode_attention), with the same blocks (decode_plan): each program scores a block of
+split the torch engine runs (decode_attention_torch), with the same blocks (decode_plan): each program scores a block of
 slots against 16 query rows of one KV head, masks them by the positions the slots hold against each row's lowest and
 highest attended position, and keeps its own float32 softmax maximum, sum and value product. A second kernel combines
 the splits in split order and writes the output in the layout o_proj reads.
@@ -31,7 +31,7 @@ _interpret = False  # tests: run the kernel through Pallas's interpreter on any 
 
 @contextlib.contextmanager
 def interpreted():
-    """Inside, forwards traced on any backend (the CPU too) take the Pallas kernels (these and jax_decode_norms'), run
+    """Inside, forwards traced on any backend (the CPU too) take the Pallas kernels (these and decode_norms_jax'), run
     by Pallas's interpreter."""
     global _interpret
     before, _interpret = _interpret, True
@@ -164,7 +164,7 @@ def with_prefetch(kernel, grid: tuple[int, ...], in_specs: list, out_specs: list
 
 def rounded(value, dtype):
     """value rounded to the model's `dtype` where the layer rounds, and on in float32 (in the kernels here, in
-    jax_decode_norms' and in jax_decode_mlp's)."""
+    decode_norms_jax' and in decode_mlp_jax's)."""
     return value.astype(dtype).astype(jnp.float32)
 
 
@@ -203,7 +203,7 @@ def _inputs_kernel(proj_ref, q_weight_ref, k_weight_ref, cos_ref, sin_ref, slot_
                                    proj_ref.shape[0], dtype) for h in halves)
 
     def normed(first, count: int, weight_ref):
-        """Through the RMS norm, rounded as jax_gemma._rms_norm rounds (weight_ref None: Gemma 4's scale-free norm)."""
+        """Through the RMS norm, rounded as gemma_jax._rms_norm rounds (weight_ref None: Gemma 4's scale-free norm)."""
         x1, x2 = projected(first, count)
         scale = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) * (0.5 / half) + eps)[:, None]
         x1, x2 = x1 * scale, x2 * scale

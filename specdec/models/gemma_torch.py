@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models import decode_attention, fp8, skinny_gemm, torch_fp8
+from specdec.models import decode_attention_torch, fp8, fp8_torch, skinny_gemm
 from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tp_parts, rope_inv_freq,
                                    tp_split_axis, vocab_rows)
 from specdec.models.decode_plan import SPLIT_MAX_ROWS, reduction_splits
+
 
 # Experts are gathered per token while that reads fewer weights than running every expert densely.
 def _gather_experts(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -87,7 +88,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T; with `scale`, weight holds FP8 values and `scale` their rows' scales (torch_fp8). For a decode
+    """x @ weight.T; with `scale`, weight holds FP8 values and `scale` their rows' scales (fp8_torch). For a decode
     forward's few rows on a GPU, cuBLAS runs one tile per 128 output columns, so a weight of few columns (an o_proj,
     E4B's attention and per-layer projections, the 270M's layers) leaves most SMs idle: 0.2-2.2 TB/s on an H200.
     Compiled, the reduction there is split in slices whose products the kernel that reads them adds in float32
@@ -105,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
         splits = reduction_splits(rows, columns, reduction)
         if splits > 1 and scale is None:
             return sum_products(split_products(x, weight, splits), x)
-    return dense_linear(x, weight) if scale is None else torch_fp8.product(x, weight, scale)
+    return dense_linear(x, weight) if scale is None else fp8_torch.product(x, weight, scale)
 
 
 def through(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
@@ -221,14 +222,14 @@ class Packed(nn.Module):
         self.row_parallel = row_parallel
         self.parts = parts
         self.register_buffer("packed", None, persistent=False)
-        self.register_buffer("packed_scale", None, persistent=False)  # FP8 weights' (torch_fp8)
+        self.register_buffer("packed_scale", None, persistent=False)  # FP8 weights' (fp8_torch)
 
     def linears(self) -> list[nn.Linear]:
         return [getattr(self, n) for n in self.names if hasattr(self, n)]
 
     def pack(self) -> None:
         linears = self.linears()
-        scaled = hasattr(linears[0], "weight_scale")  # FP8 (torch_fp8): the scales pack as their rows do
+        scaled = hasattr(linears[0], "weight_scale")  # FP8 (fp8_torch): the scales pack as their rows do
 
         def by_rows(tensors):
             """The linears' rows in order; in parts, each part's rows of each: [parts, rows of a part, ...]."""
@@ -336,7 +337,7 @@ class ChunkContext:
     cached_sin: dict[str, torch.Tensor]
     cache_mask: dict[str, torch.Tensor]  # kind -> [B, 1, T, 1, S] bool, True = may attend (Attention's row order)
     # decode: kind -> the lowest and highest stored position each row attends, [B, T] each (cache_mask's bounds, and
-    # what decode_attention's kernel reads instead of it)
+    # what decode_attention_torch's kernel reads instead of it)
     attended: dict[str, tuple[torch.Tensor, torch.Tensor]]
     chunk_mask: dict[str, torch.Tensor] | None  # kind -> [B, 1, T, 1, T]; None: committed first (decode)
     slots: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # kind -> (rows, slot, position) to write
@@ -442,7 +443,7 @@ class Attention(Packed):
         else:
             v_old = in_part(v_old)
 
-        if ctx.committed_first and decode_attention.takes(q, k_old, self.softcap):
+        if ctx.committed_first and decode_attention_torch.takes(q, k_old, self.softcap):
             return torch.ops.specdec.decode_attention(q, k_old, v_old, cache.slot_pos[kind], *ctx.attended[kind],
                                                       self.scale, groups)
         # Decode: the cache alone. Prefill: [cached slots | this chunk] without concatenating the cache;
@@ -658,7 +659,7 @@ class GemmaModel(nn.Module):
     @classmethod
     def random(cls, cfg: GemmaConfig, dtype=torch.bfloat16, device="cpu", max_seq_len: int = 4096,
                seed: int = 0, tp_group=None, tp_parts: int | None = None, fp8: bool = False) -> "GemmaModel":
-        """Random weights of a config, drawn on the device (benchmarks at real shapes; jax_gemma.random_params
+        """Random weights of a config, drawn on the device (benchmarks at real shapes; gemma_jax.random_params
         is the JAX twin): matrices ~ N(0, 1/fan_in), norms and scalars at their neutral value. Each matrix is
         drawn whole from its own seed, so the devices of a tensor-parallel model (`tp_group`: this device
         keeps its slices) hold slices of one model."""
@@ -687,7 +688,7 @@ class GemmaModel(nn.Module):
         return (model.quantize_fp8() if fp8 else model).pack_projections()
 
     def quantize_fp8(self) -> "GemmaModel":
-        """Every linear that fp8.quantizes as FP8 values and a `weight_scale` per output row (torch_fp8), in place,
+        """Every linear that fp8.quantizes as FP8 values and a `weight_scale` per output row (fp8_torch), in place,
         one weight at a time, before packing; a tied LM head gets an FP8 copy of its own as `lm_head`, so the token
         table keeps its rows. Under tensor parallelism, a row-parallel linear's scales are its whole rows': each
         device count (and parts) quantizes to one device's bits."""
@@ -698,7 +699,7 @@ class GemmaModel(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and fp8.quantizes(f"{name}.weight", module.weight.shape):
                 split_rows = tp_split_axis(self.cfg, f"{name}.weight", 1) == 1  # this device holds some columns
-                values, scale = torch_fp8.quantize(module.weight.detach(), self.tp_group if split_rows else None)
+                values, scale = fp8_torch.quantize(module.weight.detach(), self.tp_group if split_rows else None)
                 module.weight = nn.Parameter(values, requires_grad=False)
                 module.register_buffer("weight_scale", scale)
         return self

@@ -27,7 +27,7 @@ def quantize(weight) -> Fp8Weight:
     """weight [N, K] (any float dtype) -> Fp8Weight, a scale per row (module docstring)."""
     w = weight.astype(jnp.float32)
     peak = jnp.max(jnp.abs(w), axis=1)
-    # times the reciprocal, as torch_fp8 does: XLA may rewrite a division by a constant so, and the engines then
+    # times the reciprocal, as fp8_torch does: XLA may rewrite a division by a constant so, and the engines then
     # hold the same bits
     scale = jnp.where(peak > 0, peak * (1 / E4M3_MAX), 1.0)
     # e4m3fn has no infinity: a quotient rounded past 448 would convert to NaN, so it is clipped first

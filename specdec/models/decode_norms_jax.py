@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specdec.models.jax_decode_attention import (interpreting, launch_dependents, on_device, rounded, summed_splits,
+from specdec.models.decode_attention_jax import (interpreting, launch_dependents, on_device, rounded, summed_splits,
                                                  with_prefetch)
 
 
@@ -54,7 +54,7 @@ def _kernel(position, partials_ref, residual_ref, post_ref, next_ref, scale_ref,
     columns = [pl.ds(start, size) for start, size in runs(hidden)]
 
     def normed(parts, weight_ref):
-        """parts through the RMS norm with weight_ref (times weight_offset + w), as jax_gemma._rms_norm rounds."""
+        """parts through the RMS norm with weight_ref (times weight_offset + w), as gemma_jax._rms_norm rounds."""
         scale = jax.lax.rsqrt(sum(jnp.sum(part * part) for part in parts) * (1.0 / hidden) + eps)
         return [rounded(part * scale * (weight_offset + weight_ref[c].astype(jnp.float32)), dtype)
                 for part, c in zip(parts, columns)]
@@ -80,8 +80,8 @@ def residual_norms(partials, residual, post_weight, next_weight, scale=None, *, 
     `norm(x, next_weight)` (None where next_weight is None), both [B, T, H] in residual's dtype, in one kernel. The
     product comes as the splits of its reduction, `partials` [splits, B, T, H] (float32 where split, else the one
     product in the model's dtype), added here in order and rounded to the model's dtype, as the product itself is.
-    Norms scale by weight_offset + w, in float32, rounded as jax_gemma._rms_norm rounds. Spare programs read the
-    weights `prefetch` into L2 for the product after this kernel (jax_decode_attention.with_prefetch)."""
+    Norms scale by weight_offset + w, in float32, rounded as gemma_jax._rms_norm rounds. Spare programs read the
+    weights `prefetch` into L2 for the product after this kernel (decode_attention_jax.with_prefetch)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 

@@ -23,10 +23,10 @@ WORKER = textwrap.dedent("""
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     import numpy as np
     from specdec.generate import HostCycle, StopCondition, run_cycles
-    from specdec.models.torch_gemma import GemmaModel
+    from specdec.models.gemma_torch import GemmaModel
     from specdec.protocol import Draft
     from specdec.sampling import SamplingParams
-    from specdec.verifiers.torch_engine import TorchEngine
+    from specdec.engines.verifier_torch import TorchEngine
 
     prompt = [2] + list(range(5, 21)) * 3
     model = GemmaModel.from_checkpoint(ckpt, max_seq_len=256, tp_group=dist.group.WORLD if world > 1 else None)
@@ -163,7 +163,7 @@ GATHER_WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     rank, port = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
-    from specdec.models.torch_gemma import gather_across
+    from specdec.models.gemma_torch import gather_across
 
     logits = torch.arange(24.0).view(2, 3, 4) + 100 * rank  # this device's slice of the vocabulary
     whole = torch.cat([torch.arange(24.0).view(2, 3, 4) + 100 * r for r in range(2)], -1)
@@ -229,8 +229,8 @@ PARTS_WORKER = textwrap.dedent("""
     rank, world, port, ckpt, parts, fp8 = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6] == "fp8"
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    from specdec.models.torch_gemma import GemmaModel
-    from specdec.verifiers.torch_engine import TorchEngine
+    from specdec.models.gemma_torch import GemmaModel
+    from specdec.engines.verifier_torch import TorchEngine
 
     prompt = [2] + list(range(5, 21)) * 3
     model = GemmaModel.from_checkpoint(ckpt, dtype=torch.bfloat16, max_seq_len=256, tp_parts=None if parts == "none" else int(parts),

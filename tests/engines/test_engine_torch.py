@@ -10,10 +10,10 @@ import textwrap
 import pytest
 import torch
 
+from specdec.engines.verifier_torch import PREFILL_CHUNK, TorchEngine
 from specdec.errors import SpecdecError
 from specdec.models.config import FULL
-from specdec.models.torch_gemma import GemmaModel
-from specdec.verifiers.torch_engine import PREFILL_CHUNK, TorchEngine
+from specdec.models.gemma_torch import GemmaModel
 
 
 def sha(tokens):
@@ -74,8 +74,8 @@ def test_cuda_graphs_bit_identical_to_eager(random_checkpoints, dtype):
 @pytest.mark.gpu
 def test_fused_cycle_graph_matches_eager(random_checkpoints):
     from specdec.drafters.ngram import NgramDrafter
+    from specdec.engines.cycle_torch import FusedCycle
     from specdec.generate import StopCondition, run_cycles
-    from specdec.verifiers.torch_engine import FusedCycle
 
     m = GemmaModel.from_checkpoint(random_checkpoints["gemma4_e"], dtype=torch.bfloat16, device="cuda", max_seq_len=1024)
     prompts = [[2, 5, 6, 7, 5, 6, 7, 5, 6], [2, 9, 9, 9, 9]]
@@ -91,7 +91,7 @@ def test_fused_cycle_graph_matches_eager(random_checkpoints):
 def test_compiling_sets_wide_persistent_reductions_unless_the_user_chose():
     from torch._inductor import config
 
-    from specdec.verifiers.torch_engine import compiled, wide_persistent_reductions
+    from specdec.engines.verifier_torch import compiled, wide_persistent_reductions
 
     with config.patch(inductor_choices_class=None):
         compiled(torch.neg)
@@ -105,7 +105,7 @@ def test_compiling_sets_wide_persistent_reductions_unless_the_user_chose():
 def test_compiling_turns_on_dependent_launches_unless_the_environment_decides(monkeypatch):
     from torch._inductor import config
 
-    from specdec.verifiers.torch_engine import compiled
+    from specdec.engines.verifier_torch import compiled
 
     if not hasattr(config.triton, "enable_pdl"):
         pytest.skip("this torch has no programmatic dependent launch")
@@ -125,10 +125,10 @@ def test_norms_over_the_hidden_size_compile_to_one_pass():
     where inductor's own heuristics would give a looped one ("triton_red_")."""
     from torch._inductor.utils import run_and_get_code
 
+    from specdec.engines.verifier_torch import compiled
     from specdec.models.config import GemmaConfig
-    from specdec.models.torch_gemma import rms_norm
+    from specdec.models.gemma_torch import rms_norm
     from specdec.roofline import GEMMA4_31B
-    from specdec.verifiers.torch_engine import compiled
 
     cfg = GemmaConfig.from_dict(GEMMA4_31B)
     x = torch.randn(16, 5376, device="cuda", dtype=torch.bfloat16)
@@ -210,9 +210,10 @@ def test_compiled_cycle_pieces_emit_the_eager_cycles_tokens(random_checkpoints, 
     sampled. Traced with dynamo's eager backend, as above; the GPU tests run
     inductor's kernels."""
     from specdec.drafters.ngram import NgramDrafter
+    from specdec.engines.cycle_torch import FusedCycle
+    from specdec.engines.verifier_torch import compiled
     from specdec.generate import StopCondition, run_cycles
     from specdec.sampling import SamplingParams
-    from specdec.verifiers.torch_engine import FusedCycle, compiled
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     compiled.cache_clear()  # made with the backend above, and dropped after
@@ -239,7 +240,7 @@ def test_wide_persistent_reductions_hold_after_an_earlier_compilation():
     code = textwrap.dedent("""
         import torch
         from torch._inductor.virtualized import V
-        from specdec.verifiers.torch_engine import compiled
+        from specdec.engines.verifier_torch import compiled
         torch.compile(lambda x: torch.softmax(x, -1))(torch.ones(4, 8))  # makes this thread's handler
         compiled(torch.abs)(torch.ones(4))
         assert type(V.choices).__name__ == "WidePersistentReductions", type(V.choices)
@@ -256,8 +257,8 @@ def test_combo_kernels_stay_off_in_a_process_that_holds_parts(monkeypatch):
 
     from torch._inductor import config
 
+    from specdec.engines.verifier_torch import _configure_compile
     from specdec.models import skinny_gemm
-    from specdec.verifiers.torch_engine import _configure_compile
 
     if not hasattr(config, "combo_kernels"):
         pytest.skip("this torch's inductor has no combo kernels")

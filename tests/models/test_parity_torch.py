@@ -1,14 +1,14 @@
 """The PyTorch model against transformers on random checkpoints of every variant (fp32).
 
 Error is max |ours - reference| / max |reference| over the compared logits. Sequences run to 40 tokens:
-past the sliding window (8), inside the ring (64 slots: its wrap is tests/verifiers/test_sliding_ring.py's).
+past the sliding window (8), inside the ring (64 slots: its wrap is tests/engines/test_sliding_ring.py's).
 """
 
 import pytest
 import torch
 
+from specdec.models.gemma_torch import GemmaModel
 from specdec.models.random_init import VARIANTS, build_hf_model
-from specdec.models.torch_gemma import GemmaModel
 
 TOL = 1e-4
 N = 40
@@ -110,7 +110,7 @@ def test_hidden_states_of_chosen_layers(pair):
 def test_a_split_reduction_is_the_same_product(splits):
     """A batched GEMM over slices of the reduction, the slices' products added, computes x @ W.T, for rows of any
     leading shape; in float32 to rounding."""
-    from specdec.models.torch_gemma import split_products, sum_products
+    from specdec.models.gemma_torch import split_products, sum_products
 
     g = torch.Generator().manual_seed(3)
     x, weight = torch.randn(2, 8, 512, generator=g), torch.randn(96, 512, generator=g)
@@ -121,7 +121,7 @@ def test_which_products_split_their_reduction():
     """A decode forward's 16 rows split the reduction of a weight of few columns (E4B's o_proj: 4 slices; the
     270M's q/k/v, whose 640 inputs are not a multiple of 256: 2), not of a wide one (E4B's gate/up), nor a
     prefill chunk's rows."""
-    from specdec.models.torch_gemma import reduction_splits
+    from specdec.models.gemma_torch import reduction_splits
 
     assert reduction_splits(16, 2560, 2048) == 4
     assert reduction_splits(16, 1536, 640) == 2
@@ -139,7 +139,7 @@ def test_compiled_products_split_and_eager_ones_do_not():
     reduction (its bf16 result the product's to bf16's rounding); the eager one is cuBLAS's product itself."""
     from torch._inductor.utils import run_and_get_code
 
-    from specdec.models.torch_gemma import linear
+    from specdec.models.gemma_torch import linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, 16, 2048, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -1,6 +1,6 @@
-"""jax_decode_norms: the residual-add kernel, run by Pallas's interpreter on the CPU, against the layer's own XLA path
+"""decode_norms_jax: the residual-add kernel, run by Pallas's interpreter on the CPU, against the layer's own XLA path
 and a row independent of the others; on a GPU, compiled in bf16 against float32. The engine with it is tested with
-every kernel in test_jax_decode_attention.py."""
+every kernel in test_decode_attention_jax.py."""
 
 import functools
 
@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec.models import jax_decode_attention, jax_decode_norms
-from specdec.models.jax_gemma import _rms_norm
-from tests.models.test_jax_decode_attention import in_float32, jax_gpu, norm_config
+from specdec.models import decode_attention_jax, decode_norms_jax
+from specdec.models.gemma_jax import _rms_norm
+from tests.models.test_decode_attention_jax import in_float32, jax_gpu, norm_config
 
 # batch, tokens, hidden, splits of the product's reduction (1: the product itself), Gemma 4 (a layer scalar)
 SHAPES = {
@@ -37,7 +37,7 @@ def case(shape, seed: int, dtype):
 
 
 def xla_residual_norms(partials, residual, post, after, scale):
-    """What jax_gemma's layer computes without the kernel: the product in the model's dtype, its norm, the residual
+    """What gemma_jax's layer computes without the kernel: the product in the model's dtype, its norm, the residual
     add, the layer scalar, the next norm."""
     cfg = norm_config(gemma4=scale is not None)
     x = residual + _rms_norm(sum(partials[1:], partials[0]).astype(residual.dtype), post, cfg)
@@ -47,9 +47,9 @@ def xla_residual_norms(partials, residual, post, after, scale):
 
 
 def residual_norms_kernel(args, prefetch=()):
-    """jax_decode_norms.residual_norms for a case's arguments (Gemma 4's where it has a layer scalar)."""
+    """decode_norms_jax.residual_norms for a case's arguments (Gemma 4's where it has a layer scalar)."""
     cfg = norm_config(gemma4=args[4] is not None)
-    return functools.partial(jax_decode_norms.residual_norms, eps=cfg.rms_norm_eps,
+    return functools.partial(decode_norms_jax.residual_norms, eps=cfg.rms_norm_eps,
                              weight_offset=cfg.norm_weight_offset, prefetch=prefetch)
 
 
@@ -59,23 +59,23 @@ def run(args, kernel=True, prefetch=()):
 
 def same_bits_with_weights_to_prefetch(args):
     """The kernel's outputs with spare programs reading two weights into L2 are the bits it gives without them."""
-    block = jax_decode_attention.PREFETCH_BLOCK
+    block = decode_attention_jax.PREFETCH_BLOCK
     weights = (jnp.ones((2, block), jnp.bfloat16), jnp.full((block // 4, 4), 2.0, jnp.bfloat16))
     for got, want in zip(run(args, prefetch=weights), run(args)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_runs_are_powers_of_two_covering_the_row():
-    assert jax_decode_norms.runs(640) == [(0, 512), (512, 128)]
-    assert jax_decode_norms.runs(5376) == [(0, 4096), (4096, 1024), (5120, 256)]
-    assert jax_decode_norms.runs(128) == [(0, 128)]
+    assert decode_norms_jax.runs(640) == [(0, 512), (512, 128)]
+    assert decode_norms_jax.runs(5376) == [(0, 4096), (4096, 1024), (5120, 256)]
+    assert decode_norms_jax.runs(128) == [(0, 128)]
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_the_kernel_computes_what_the_layer_computes_without_it(name):
     args = case(SHAPES[name], seed=1, dtype=jnp.float32)
     with in_float32():
-        assert jax_decode_norms.takes(SHAPES[name][2], jnp.float32)
+        assert decode_norms_jax.takes(SHAPES[name][2], jnp.float32)
         ours = run(args)
     theirs = run(args, kernel=False)
     for got, want in zip(ours, theirs):
@@ -114,10 +114,10 @@ def test_weights_to_prefetch_change_no_output(name):
 
 
 def test_what_the_kernel_does_not_take():
-    with jax_decode_attention.interpreted():
-        assert not jax_decode_norms.takes(31, jnp.bfloat16)  # five runs: 16, 8, 4, 2, 1
+    with decode_attention_jax.interpreted():
+        assert not decode_norms_jax.takes(31, jnp.bfloat16)  # five runs: 16, 8, 4, 2, 1
     if jax.default_backend() != "gpu":
-        assert not jax_decode_norms.takes(640, jnp.bfloat16)  # compiled on GPUs alone
+        assert not decode_norms_jax.takes(640, jnp.bfloat16)  # compiled on GPUs alone
 
 
 @pytest.mark.gpu
@@ -127,7 +127,7 @@ def test_the_compiled_kernel_in_bf16_against_float32(name):
     """Within a bf16 step of the largest float32 value, as the XLA layer in bf16 is: a run, row or split gone wrong is
     off by the values themselves."""
     args = case(SHAPES[name], seed=3, dtype=jnp.bfloat16)
-    assert jax_decode_norms.takes(SHAPES[name][2], jnp.bfloat16)
+    assert decode_norms_jax.takes(SHAPES[name][2], jnp.bfloat16)
     exact = run(tuple(None if a is None else a.astype(jnp.float32) for a in args), kernel=False)
     for got, xla, want in zip(run(args), run(args, kernel=False), exact):
         want = np.asarray(want, np.float64)
@@ -137,10 +137,10 @@ def test_the_compiled_kernel_in_bf16_against_float32(name):
 
 
 def test_kernels_trigger_dependents_on_hopper_gpus_alone():
-    with jax_decode_attention.interpreted():
-        assert not jax_decode_attention.triggers_dependents()
+    with decode_attention_jax.interpreted():
+        assert not decode_attention_jax.triggers_dependents()
     if jax.default_backend() != "gpu":
-        assert not jax_decode_attention.triggers_dependents()
+        assert not decode_attention_jax.triggers_dependents()
 
 
 @pytest.mark.gpu
@@ -150,10 +150,10 @@ def test_the_early_launch_trigger_changes_no_bit(name, monkeypatch):
     """launch_dependents passes its value through: the kernel's outputs with and without it are the same bits."""
     if float(jax.devices()[0].compute_capability) < 9.0:
         pytest.skip("needs a GPU with programmatic dependent launch (compute capability 9.0 or more)")
-    assert jax_decode_attention.triggers_dependents()
+    assert decode_attention_jax.triggers_dependents()
     args = case(SHAPES[name], seed=5, dtype=jnp.bfloat16)
     triggered = run(args)
-    monkeypatch.setattr(jax_decode_attention, "triggers_dependents", lambda: False)
+    monkeypatch.setattr(decode_attention_jax, "triggers_dependents", lambda: False)
     for got, want in zip(triggered, run(args)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 

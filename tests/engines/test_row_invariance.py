@@ -23,8 +23,8 @@ def torch_engine(path, dtype, batch=1, invariant=True, device="cpu", fp8=False):
     """On CUDA with its defaults: torch.compile and CUDA graphs."""
     import torch
 
-    from specdec.models.torch_gemma import GemmaModel
-    from specdec.verifiers.torch_engine import TorchEngine
+    from specdec.engines.verifier_torch import TorchEngine
+    from specdec.models.gemma_torch import GemmaModel
 
     model = GemmaModel.from_checkpoint(path, dtype=getattr(torch, dtype), device=device, max_seq_len=128, fp8=fp8)
     return TorchEngine(model, batch=batch, max_seq_len=128, k_max=K_MAX, hidden_layers=TAPS, invariant=invariant)
@@ -33,7 +33,7 @@ def torch_engine(path, dtype, batch=1, invariant=True, device="cpu", fp8=False):
 def jax_engine(path, dtype, batch=1, invariant=True, prefill_chunk=None):
     import jax.numpy as jnp
 
-    from specdec.verifiers.jax_engine import JaxEngine
+    from specdec.engines.verifier_jax import JaxEngine
 
     return JaxEngine.from_checkpoint(path, dtype=getattr(jnp, dtype), batch=batch, max_seq_len=128, k_max=K_MAX,
                                      hidden_layers=TAPS, invariant=invariant, prefill_chunk=prefill_chunk)
@@ -41,7 +41,7 @@ def jax_engine(path, dtype, batch=1, invariant=True, prefill_chunk=None):
 
 def jax_engine_prefill_chunk(path, dtype, batch=1, invariant=True):
     """Prefill through a forward of its own, as `specdec.load(compile=True)` gives a server."""
-    from specdec.verifiers.jax_engine import PREFILL_CHUNK
+    from specdec.engines.verifier_jax import PREFILL_CHUNK
 
     return jax_engine(path, dtype, batch, invariant, prefill_chunk=PREFILL_CHUNK)
 

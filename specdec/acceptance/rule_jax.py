@@ -174,7 +174,7 @@ def keyed_uniform(seeds: jax.Array, positions: jax.Array, n: int) -> jax.Array:
 
 
 def _inverse_cdf(weights: jax.Array, uniform: jax.Array) -> jax.Array:
-    """One token per row [B, V], with probability proportional to weights, from one uniform [B] (torch_rule's)."""
+    """One token per row [B, V], with probability proportional to weights, from one uniform [B] (rule_torch's)."""
     cumulative = jnp.where(weights > 0, jnp.cumsum(weights, axis=-1), -1.0)
     total = cumulative.max(axis=-1, keepdims=True)
     return jnp.argmax(cumulative >= uniform[:, None] * total, axis=-1)

@@ -1,6 +1,6 @@
 """Gemma 3 / Gemma 4 text models in JAX: pure functions over a params pytree and a static KV cache.
 
-The math, the order of float operations and the cache semantics mirror `torch_gemma` (read its module
+The math, the order of float operations and the cache semantics mirror `gemma_torch` (read its module
 docstring): sliding layers keep a ring of `window + decode_width(k_max) - 1` slots and full layers every
 position, each a few more (GemmaConfig.cache_slots), each slot remembering the absolute position written there
 (slot = position % slots).
@@ -32,12 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec.models import jax_decode_attention, jax_decode_mlp, jax_decode_norms
+from specdec.models import decode_attention_jax, decode_mlp_jax, decode_norms_jax
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
 from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq, vocab_rows
 from specdec.models.decode_plan import MOST_SPLITS, reduction_splits
-from specdec.models.jax_fp8 import Fp8Weight, quantize_params
-from specdec.models.jax_fp8 import product as fp8_product
+from specdec.models.fp8_jax import Fp8Weight
+from specdec.models.fp8_jax import product as fp8_product
+from specdec.models.fp8_jax import quantize_params
 
 Params = dict[str, jax.Array]
 Cache = dict[str, Any]  # {"keys": [per layer], "values": [per layer], "slot_pos": {kind: [B, S] int32}}
@@ -83,7 +84,7 @@ def to_device_shapes(tensors: dict[str, np.ndarray], dtype=None, pack: bool = Fa
 
 
 def fp8_params(params: Params, cfg: GemmaConfig) -> Params:
-    """params with their linears as FP8 weights (specdec.models.jax_fp8.quantize_params), a tied LM head as an FP8
+    """params with their linears as FP8 weights (specdec.models.fp8_jax.quantize_params), a tied LM head as an FP8
     copy of the token table."""
     tied = cfg.tie_word_embeddings and "embed_tokens.weight" in params
     return _fp8_params(params, "embed_tokens.weight" if tied else None)
@@ -108,7 +109,7 @@ def packed_name(prefix: str, names) -> str:
 
 def pack_projections(params: Params, parts: int = 1, pack: Callable[[list], jax.Array] | None = None) -> Params:
     """Each layer's q/k/v (those it has) and gate/up weights as one [sum of out, in] weight under
-    `packed_name`, as torch_gemma's Packed: at decode a GEMM of 16 rows costs a launch and, in XLA, a split of
+    `packed_name`, as gemma_torch's Packed: at decode a GEMM of 16 rows costs a launch and, in XLA, a split of
     its reduction with a kernel that sums the parts, however small it is. The forward reads either form.
     In tensor-parallel `parts` (Parts), part 0's rows of every linear come first, then part 1's, ... ([parts * rows
     of a part, in]), so that a split by rows over any device count dividing `parts` leaves each device whole parts,
@@ -139,7 +140,7 @@ def pack_rows(weights: list, parts: int = 1) -> jax.Array:
 class Parts:
     """Tensor-parallel parts (config.check_tp_parts): every split weight computed as `count` GEMMs of a `count`-way
     split's shapes, `count / devices` of them on each device of mesh axis `axis`, and row-parallel partial outputs
-    added in one order (sum_parts). A forward in parts runs inside shard_map (jax_engine.forward_in_parts) on each
+    added in one order (sum_parts). A forward in parts runs inside shard_map (sharding_jax.forward_in_parts) on each
     device's blocks of the weights packed in parts (pack_projections), and of the cache split by KV head."""
 
     count: int
@@ -251,7 +252,7 @@ def _split_product(x, weight, multiple: int = 64, most: int = MOST_SPLITS):
     """x [B, T, K] by weight [N, K] as the products of its reduction's slices, [splits, B, T, N]: split as torch's
     are (reduction_splits, at most `most` slices of a multiple of `multiple`), in float32, for a kernel that adds
     them in order and rounds the sum as _linear's product rounds; one slice holds _linear's product itself. The
-    slices are views: [B, T, splits, part] by [N, splits, part], as torch_gemma.split_products' are. An FP8
+    slices are views: [B, T, splits, part] by [N, splits, part], as gemma_torch.split_products' are. An FP8
     weight's scales multiply each slice's float32 product."""
     B, T, reduction = x.shape
     columns = weight.shape[0]
@@ -272,7 +273,7 @@ def _split_linear(x, weight):
     partials = _split_product(x, weight, multiple=32)
     if partials.shape[0] == 1:
         return partials[0]
-    return jax_decode_attention.summed_splits(lambda s: partials[s], partials.shape[0], x.dtype).astype(x.dtype)
+    return decode_attention_jax.summed_splits(lambda s: partials[s], partials.shape[0], x.dtype).astype(x.dtype)
 
 
 def _gelu(x):
@@ -291,7 +292,7 @@ def _rms_norm(x, weight, cfg: GemmaConfig):
 
 
 def _rope_cos_sin(inv_freq: np.ndarray, positions, dtype):
-    """cos, sin [..., head_dim] at integer positions: the rows torch_gemma reads from its float32 tables."""
+    """cos, sin [..., head_dim] at integer positions: the rows gemma_torch reads from its float32 tables."""
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
@@ -333,7 +334,7 @@ def _chunk_context(cfg: GemmaConfig, positions, cache: Cache, dtype, commit_firs
             ctx["cached_cos"][kind], ctx["cached_sin"][kind] = cos[:, None], sin[:, None]  # [B, 1, S, hd]
         window = cfg.sliding_window if kind == SLIDING else None
         if commit_first:
-            # The lowest and highest stored position each row attends: the mask's bounds, which jax_decode_attention
+            # The lowest and highest stored position each row attends: the mask's bounds, which decode_attention_jax
             # reads too. Empty slots hold -1.
             lowest = jnp.zeros_like(positions) if window is None else jnp.maximum(positions - window + 1, 0)
             ctx["attended"][kind] = (lowest, positions)
@@ -465,7 +466,7 @@ def _weights(params: Params, prefix: str, names) -> tuple:
 def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache: Cache, shared_kv, writes,
                parts: Parts | None = None, split: bool = False, prefetch=()):
     """The layer's attention output: o_proj's product, or with `split` the slices of its reduction (_split_product).
-    `prefetch`: weights the attention kernel reads into L2 on the side (jax_decode_attention.with_prefetch)."""
+    `prefetch`: weights the attention kernel reads into L2 on the side (decode_attention_jax.with_prefetch)."""
     B, T, _ = x.shape
     p = f"layers.{spec.index}.self_attn."
     hd, kind = spec.head_dim, spec.kind
@@ -506,8 +507,8 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
             k_old = _keys_from_stored(k_old, k_norm, ctx["cached_cos"][kind], ctx["cached_sin"][kind])
         else:
             v_old = heads(v_old)
-        if ctx["commit_first"] and jax_decode_attention.takes(q, k_old, cfg.attn_logit_softcapping):
-            out = jax_decode_attention.attend(q, k_old, v_old, cache["slot_pos"][kind], *ctx["attended"][kind],
+        if ctx["commit_first"] and decode_attention_jax.takes(q, k_old, cfg.attn_logit_softcapping):
+            out = decode_attention_jax.attend(q, k_old, v_old, cache["slot_pos"][kind], *ctx["attended"][kind],
                                               cfg.attention_scale, prefetch)
         else:
             kv = [(k_old, v_old)] if ctx["commit_first"] else [(k_old, v_old), (heads(k_new), heads(v_new))]
@@ -520,7 +521,7 @@ def _attention(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, ctx, cache:
 
 def _fused_inputs(params: Params, cfg: GemmaConfig, spec: LayerSpec, names, x, ctx, cache: Cache,
                   parts: Parts | None):
-    """A decode forward's q [B, T, n_kv, groups, hd], normed and rotated, by jax_decode_attention.inputs, which also
+    """A decode forward's q [B, T, n_kv, groups, hd], normed and rotated, by decode_attention_jax.inputs, which also
     writes the layer's new keys and values into `cache`; None where that kernel does not take the layer (a prefill,
     tensor-parallel parts, k_eq_v, weights not packed, or shapes it does not take). The projection's reduction is
     split as torch's is (reduction_splits) and the kernel adds the splits: left to XLA, its own split is summed by a
@@ -529,11 +530,11 @@ def _fused_inputs(params: Params, cfg: GemmaConfig, spec: LayerSpec, names, x, c
     p, kind, hd = f"layers.{spec.index}.self_attn.", spec.kind, spec.head_dim
     weight = params.get(packed_name(p, names) if len(names) > 1 else f"{p}q_proj.weight")
     if (not ctx["commit_first"] or parts is not None or spec.k_eq_v or weight is None
-            or not jax_decode_attention.takes_inputs(cfg.num_heads, spec.num_kv_heads, hd, x.dtype)):
+            or not decode_attention_jax.takes_inputs(cfg.num_heads, spec.num_kv_heads, hd, x.dtype)):
         return None
     partials = _split_product(x, weight)
     index, writes = spec.index, spec.owns_cache
-    q, keys, values = jax_decode_attention.inputs(
+    q, keys, values = decode_attention_jax.inputs(
         partials.reshape(partials.shape[0], B, T, -1, hd), params[p + "q_norm.weight"],
         params[p + "k_norm.weight"] if writes else None, ctx["cos"][kind][:, :, 0], ctx["sin"][kind][:, :, 0],
         ctx["slots"][kind][1], cache["keys"][index] if writes else None, cache["values"][index] if writes else None,
@@ -554,7 +555,7 @@ def _attend(cfg: GemmaConfig, q, kv: list, mask):
 
     Decode: the cache alone. Prefill: [cached slots | this chunk] without concatenating the cache; scores
     are joined for one softmax, then split again for the value products. A KV head's rows run by token, then
-    query head, as in torch_gemma: XLA then lays the scores out slot-contiguous, and the softmax over them took
+    query head, as in gemma_torch: XLA then lays the scores out slot-contiguous, and the softmax over them took
     2.4 us a sliding layer on an H100, against 5.0-5.3 us with rows by head."""
     scores = jnp.concatenate([jnp.einsum("btkgd,bksd->bktgs", q, k) for k, _ in kv], axis=-1)
     scores = scores * cfg.attention_scale
@@ -572,10 +573,10 @@ def _attend(cfg: GemmaConfig, q, kv: list, mask):
 
 def _mlp(params: Params, prefix: str, x, parts: Parts | None = None, split: bool = False, kernels: bool = False):
     """down_proj's product, or with `split` the slices of its reduction (_split_product), gate/up's then split too.
-    `kernels` (a decode forward's): gate/up and its GELU in one kernel where jax_decode_mlp takes the weight."""
+    `kernels` (a decode forward's): gate/up and its GELU in one kernel where decode_mlp_jax takes the weight."""
     packed = params.get(packed_name(prefix, PACKS["mlp."]))
-    if kernels and jax_decode_mlp.takes(packed, x.shape[0] * x.shape[1], x.dtype):
-        hidden = [jax_decode_mlp.gated(x, packed)]
+    if kernels and decode_mlp_jax.takes(packed, x.shape[0] * x.shape[1], x.dtype):
+        hidden = [decode_mlp_jax.gated(x, packed)]
     else:
         hidden = []
         for part in range(parts.local if parts else 1):
@@ -598,7 +599,7 @@ def _route(params: Params, cfg: GemmaConfig, prefix: str, x):
 
 def _experts(params: Params, prefix: str, x, weights, index):
     """x [N, H], weights/index [N, k] -> [N, H]. Experts are gathered per token while that reads fewer
-    weights than running every expert densely (torch_gemma's rule); shapes are static either way."""
+    weights than running every expert densely (gemma_torch's rule); shapes are static either way."""
     gate_up, down = params[prefix + "experts.gate_up_proj"], params[prefix + "experts.down_proj"]
     n, k = index.shape
     num_experts = gate_up.shape[0]
@@ -613,8 +614,8 @@ def _experts(params: Params, prefix: str, x, weights, index):
 
 
 def _read_ahead(*weights) -> tuple:
-    """jax_decode_attention.prefetched of weights as they are stored: an FP8 weight's values, as bytes."""
-    return jax_decode_attention.prefetched(*(
+    """decode_attention_jax.prefetched of weights as they are stored: an FP8 weight's values, as bytes."""
+    return decode_attention_jax.prefetched(*(
         jax.lax.bitcast_convert_type(w.values, jnp.uint8) if isinstance(w, Fp8Weight) else w for w in weights))
 
 
@@ -625,21 +626,21 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
     computed it, else None. `next_norm`: the weight of the next layer's input norm, or None. `next_weights`: the next
     layer's q/k/v weights.
 
-    A decode forward that takes jax_decode_norms runs each residual add with the norms around it in one kernel:
+    A decode forward that takes decode_norms_jax runs each residual add with the norms around it in one kernel:
     the one after attention, and the layer's last (after down_proj, or after the per-layer projection), which also
     norms x for the next layer where there is one and no MoE block. With per-layer inputs, the add after down_proj
     runs there too, with no norm after it: the per-layer gate takes x itself. Gate/up and its GELU run as one kernel
-    (jax_decode_mlp) where it takes the weight, the last layer's too, and so do the per-layer gate, its GELU and its
+    (decode_mlp_jax) where it takes the weight, the last layer's too, and so do the per-layer gate, its GELU and its
     product with the layer's per-layer input (per_layer_gated). Spare programs of two kernels read
-    weights of up to 8 MB into L2 for the products ahead (jax_decode_attention.prefetched): attention's partials the
+    weights of up to 8 MB into L2 for the products ahead (decode_attention_jax.prefetched): attention's partials the
     layer's o_proj, gate/up and down, and the layer's last kernel the next layer's q/k/v. XLA's products wait on
     entry for the kernel before them, so they cannot load their weights early; from L2 they start sooner (a 270M
     cycle 2.8% shorter on an H200, docs/journal)."""
     p = f"layers.{spec.index}."
     norm = lambda name, v: _rms_norm(v, params[p + name + ".weight"], cfg)  # noqa: E731
-    kernel = ctx["commit_first"] and parts is None and jax_decode_norms.takes(cfg.hidden_size, x.dtype)
+    kernel = ctx["commit_first"] and parts is None and decode_norms_jax.takes(cfg.hidden_size, x.dtype)
     closes = kernel and next_norm is not None and not cfg.enable_moe_block
-    residual_norms = partial(jax_decode_norms.residual_norms, eps=cfg.rms_norm_eps,
+    residual_norms = partial(decode_norms_jax.residual_norms, eps=cfg.rms_norm_eps,
                              weight_offset=cfg.norm_weight_offset)
     scale = params[p + "layer_scalar"] if cfg.is_gemma4 else None
     residual = x
@@ -672,8 +673,8 @@ def _decoder_layer(params: Params, cfg: GemmaConfig, spec: LayerSpec, x, per_lay
         x = residual + norm("post_feedforward_layernorm", h)
     if cfg.has_per_layer_inputs:
         gate = params[p + "per_layer_input_gate.weight"]
-        if kernel and jax_decode_mlp.takes_per_layer_gate(gate, x.shape[0] * x.shape[1], x.dtype):
-            gated, ctx["arrivals"] = jax_decode_mlp.per_layer_gated(x, gate, per_layer, spec.index, ctx["arrivals"])
+        if kernel and decode_mlp_jax.takes_per_layer_gate(gate, x.shape[0] * x.shape[1], x.dtype):
+            gated, ctx["arrivals"] = decode_mlp_jax.per_layer_gated(x, gate, per_layer, spec.index, ctx["arrivals"])
         else:
             gated = _gelu(_linear(x, gate)) * per_layer[:, :, spec.index]
         if closes:

@@ -1,6 +1,6 @@
-"""The JAX verifier: jax_gemma's forward compiled once per T bucket, and decoding fused on the device.
+"""The JAX verifier: gemma_jax's forward compiled once per T bucket, and decoding fused on the device.
 
-- Row invariance (the default, `invariant=True`, as in torch_engine): every decode forward, plain or
+- Row invariance (the default, `invariant=True`, as in verifier_torch): every decode forward, plain or
   verify, host-driven or inside the fused loop, runs `decode_width(k_max)` rows wide as a commit-first
   forward, so a row's logits do not depend on how many real tokens share the forward. The logits leave
   each forward through an optimization barrier, so XLA cannot shrink the LM head to the rows a program
@@ -15,7 +15,7 @@
   within the decode width of the next real token. `JaxFusedCycle` then prefills inside its cycle program
   (`decode_step`'s prefill cycles), so a run compiles one program holding the forward, not two: XLA spends
   seconds on each copy of the forward, which a one-off command waits for. With `prefill_chunk`, prefill runs
-  a forward of its own over chunks that many tokens wide (jax_gemma's prefill forward; its pads store nothing
+  a forward of its own over chunks that many tokens wide (gemma_jax's prefill forward; its pads store nothing
   and its LM head is never computed): a second program to compile, and a prompt's prefill in a forward or two
   rather than one decode cycle per decode width of it, for engines that serve many prompts.
 - `generate_fused` runs the whole decode in one `lax.while_loop` dispatch. Its body, `decode_step`, is one
@@ -32,9 +32,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import os
 import time
 import warnings
@@ -44,142 +42,24 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import shard_map
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
-from specdec.acceptance.jax_rule import RowSampling, accept_greedy, accept_sampled, keyed_uniform
+from specdec.acceptance.rule_jax import RowSampling, accept_greedy, accept_sampled, keyed_uniform
 from specdec.errors import SpecdecError
-from specdec.generate import CycleResult, StopCondition, check_context
-from specdec.models.config import (PARTS_GPU_XLA_FLAGS, GemmaConfig, check_tensor_parallel, check_tp_parts,
-                                   decode_width, round_up, tp_split_axis)
+from specdec.generate import CycleResult, check_context
 from specdec.models.checkpoint import load_checkpoint
-from specdec.models.jax_fp8 import Fp8Weight
-from specdec.models.jax_gemma import (Cache, Params, Parts, default_dtype, forward, init_cache, is_fp8, load_params,
-                                      layer_prefix, pack_projections, pack_rows, reset_cache, to_device,
-                                      to_device_shapes)
-from specdec.protocol import VerifyOutput
+from specdec.models.config import PARTS_GPU_XLA_FLAGS, GemmaConfig, check_tp_parts, decode_width, round_up
+from specdec.models.gemma_jax import (Cache, Params, Parts, default_dtype, forward, init_cache, is_fp8, load_params,
+                                      reset_cache, to_device, to_device_shapes)
+from specdec.models.sharding_jax import (TP_AXIS, cache_shardings, forward_in_parts, make_mesh, packed_params,
+                                         shard_params)
+from specdec.protocol import DeviceDraftFn, VerifyOutput, is_device_state
 from specdec.sampling import SamplingParams, seed_words
 
-TP_AXIS = "tp"
 # Tokens per row in a forward of prefill's own (JaxEngine's prefill_chunk). An H200's bf16 GEMMs turn from reading
 # weights to computing near 200 rows at peak rates (989 TFLOP/s over 4.8 TB/s, 2 bytes a weight): a chunk of 128
 # still costs about what a decode step's weights do, where wider ones would cost a short prompt more.
 PREFILL_CHUNK = 128
-
-
-# -- tensor parallelism ---------------------------------------------------------------------------------
-
-
-def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D tensor-parallel mesh over the first `num_devices` devices (all by default)."""
-    devices = jax.devices()[: num_devices or len(jax.devices())]
-    return Mesh(np.array(devices), (TP_AXIS,))
-
-
-def check_mesh(cfg: GemmaConfig, mesh: Mesh) -> None:
-    """Every split dimension must divide evenly over the mesh; raised before anything is compiled."""
-    check_tensor_parallel(cfg, mesh.shape[TP_AXIS])
-
-
-def param_partition_spec(cfg: GemmaConfig, name: str, tp: int, param=None):
-    """The mesh axis on the dimension config.tp_split_axis names (none: replicated; dimensions past the
-    split one are whole). In parts (`tp` the parts), a packed weight (jax_gemma.pack_projections) splits by row.
-    For an FP8 `param` (a pytree of values and scales), the specs of both: its scales split as its rows do, and
-    stay whole where the reduction splits."""
-    axis = 0 if "+" in name else tp_split_axis(cfg, name, tp)
-    spec = P() if axis is None else P(*[None] * axis, TP_AXIS)
-    if isinstance(param, Fp8Weight):
-        return Fp8Weight(spec, spec if axis == 0 else P())
-    return spec
-
-
-def _packed(params: Params) -> Params:
-    """One device's weights with q/k/v and gate/up packed (jax_gemma.pack_projections), or their shapes.
-    Weights already packed (from_checkpoint's, another engine's) come back as they are; others are copied
-    packed, beside the caller's."""
-    shapes = jax.eval_shape(pack_projections, params)
-    if shapes.keys() == params.keys():
-        return params  # packed already, or nothing to pack
-    if all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params)):
-        return shapes
-    return _pack_fn(params)
-
-
-_pack_fn = jax.jit(pack_projections)
-
-
-def shard_params(params: Params, cfg: GemmaConfig, mesh: Mesh, parts: Parts | None = None) -> Params:
-    """Weights split over the mesh; in `parts`, a layer at a time, split into whole parts and then packed in parts on
-    each device (pack_on_devices), so that a device holds no more than one layer's weights twice."""
-    if parts is None:
-        check_mesh(cfg, mesh)
-    tp = mesh.shape[TP_AXIS] if parts is None else parts.count
-
-    def place(names) -> Params:
-        return {name: jax.device_put(params[name], _named(mesh, param_partition_spec(cfg, name, tp, params[name])))
-                for name in names}
-
-    if parts is None:
-        return place(params)
-    placed = {}
-    for _, names in itertools.groupby(sorted(params), key=layer_prefix):
-        placed.update(pack_on_devices(place(names), mesh, parts))
-    return placed
-
-
-def _named(mesh: Mesh, specs):
-    """NamedShardings over `mesh` for a spec or a pytree of them (an FP8 weight's)."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def pack_on_devices(params: Params, mesh: Mesh, parts: Parts) -> Params:
-    """jax_gemma.pack_projections(params, parts.count) of weights split by row over the mesh, each device packing
-    its own rows: a device holds consecutive whole parts, so its rows packed part by part are its block of the
-    packed whole. Packing the whole 31B on one GPU before splitting it held the packed projections beside the
-    weights there, and then that GPU's block as well: more than an H200 holds (docs/journal)."""
-    return pack_projections(params, pack=lambda weights: _row_packer(mesh, parts.local, len(weights))(*weights))
-
-
-@functools.cache
-def _row_packer(mesh: Mesh, local: int, count: int) -> Callable:
-    """pack_rows of `count` weights in `local` parts on each device of the mesh, from and into row blocks."""
-    by_row = P(TP_AXIS)
-    return jax.jit(shard_map(lambda *weights: pack_rows(list(weights), local), mesh=mesh,
-                             in_specs=(by_row,) * count, out_specs=by_row))
-
-
-
-def cache_specs(cache: Cache):
-    """Keys/values [B, n_kv, S, hd] split by KV head; slot positions replicated."""
-    by_head = P(None, TP_AXIS, None, None)
-    return {
-        "keys": [None if k is None else by_head for k in cache["keys"]],
-        "values": [None if v is None else by_head for v in cache["values"]],
-        "slot_pos": {kind: P() for kind in cache["slot_pos"]},
-    }
-
-
-def cache_shardings(cache: Cache, mesh: Mesh):
-    return _named(mesh, cache_specs(cache))
-
-
-def forward_in_parts(cfg: GemmaConfig, mesh: Mesh, parts: Parts, params, cache: Cache, **static) -> Callable:
-    """jax_gemma.forward in `parts` as one program over the mesh: (params, tokens, positions, cache) -> forward's
-    (logits, hidden, cache). Each device runs its parts on its blocks of the weights and the cache (shard_map);
-    the collectives are the forward's own (sum_parts' gathers, the lookups' sums, the LM head's gather), so no
-    partitioner chooses where they go or in which order a reduction adds."""
-    param_specs = {name: param_partition_spec(cfg, name, parts.count, param) for name, param in params.items()}
-    specs = cache_specs(cache)
-
-    def body(params, tokens, positions, cache):
-        return forward(params, cfg, tokens, positions, cache, parts=parts, **static)
-
-    hidden_spec = P() if static.get("hidden_layers") else None
-    return shard_map(body, mesh=mesh, in_specs=(param_specs, P(), P(), specs), out_specs=(P(), hidden_spec, specs),
-                     check_vma=False)
-
-
-# -- the fused decode loop's state ---------------------------------------------------------------------
 
 
 class DecodeState(NamedTuple):
@@ -230,22 +110,17 @@ def unpack_cycles(packed: np.ndarray) -> list[CycleResult]:
 # or a stateful device drafter (specdec.drafters.eagle3_jax.JaxEagle3, model.JaxModelDraft, mtp_jax.JaxMtp: draft
 # and observe over a state the loop carries, its params an argument of the compiled program; draft also reads
 # the target's cache, where an MTP assistant attends).
-DraftFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
-def _stateful(draft_fn) -> bool:
-    return hasattr(draft_fn, "observe")
-
-
-def _draft_params(draft_fn):
+def draft_params(draft_fn):
     """What the compiled decode takes as the drafter's params: a stateful drafter's, else nothing."""
-    return draft_fn.params if _stateful(draft_fn) else None
+    return draft_fn.params if is_device_state(draft_fn) else None
 
 
-def _draft_fn_key(draft_fn: DraftFn | None):
+def _draft_fn_key(draft_fn: DeviceDraftFn | None):
     """Compiled decode functions are shared by drafters of equal settings: device_draft_fn makes a new
     functools.partial per call, equal to the last one in function and arguments but not in identity."""
-    if _stateful(draft_fn):
+    if is_device_state(draft_fn):
         return draft_fn.cache_key
     if isinstance(draft_fn, functools.partial):
         return draft_fn.func, draft_fn.args, tuple(sorted(draft_fn.keywords.items()))
@@ -253,7 +128,7 @@ def _draft_fn_key(draft_fn: DraftFn | None):
 
 
 class JaxEngine:
-    """Implements specdec.protocol.Verifier over jax_gemma. Row b's committed length is `lengths[b]`; its
+    """Implements specdec.protocol.Verifier over gemma_jax. Row b's committed length is `lengths[b]`; its
     pending token (not yet in the cache) goes first in the next verify."""
 
     framework = "jax"
@@ -305,7 +180,7 @@ class JaxEngine:
                 raise SpecdecError("prefill's own forward does not run in tensor-parallel parts: prefill_chunk=None")
             if prefill_chunk < 1:
                 raise SpecdecError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-            # A chunk's tokens take distinct slots of every cache (jax_gemma.forward's counts)
+            # A chunk's tokens take distinct slots of every cache (gemma_jax.forward's counts)
             prefill_chunk = min(prefill_chunk, *cfg.cache_slots(max_seq_len, k_max, lookahead).values())
         self.prefill_chunk = prefill_chunk
         self.fp8 = is_fp8(params)
@@ -319,7 +194,7 @@ class JaxEngine:
             raise SpecdecError(f"tensor-parallel parts on GPUs compute the same bits on every device count only with "
                                f"XLA_FLAGS='{' '.join(PARTS_GPU_XLA_FLAGS)}' set before JAX starts (specdec's "
                                "commands set them)")
-        self._params = shard_params(params, cfg, mesh, self.parts) if mesh is not None else _packed(params)
+        self._params = shard_params(params, cfg, mesh, self.parts) if mesh is not None else packed_params(params)
         # What programs are lowered against: the weights' shapes, known before the weights themselves arrive;
         # with a mesh, their shardings too (on one device, a sharding named here would lower another program
         # than the call with the arrays does).
@@ -458,7 +333,7 @@ class JaxEngine:
         slot_pos = {kind: p.at[row].set(-1) for kind, p in cache["slot_pos"].items()}
         return self._constrain(dict(cache, slot_pos=slot_pos))
 
-    def decode_step(self, params, state: DecodeState, max_new_tokens, eos_ids, draft_fn: DraftFn | None = None,
+    def decode_step(self, params, state: DecodeState, max_new_tokens, eos_ids, draft_fn: DeviceDraftFn | None = None,
                     draft_params=None) -> tuple[DecodeState, StepResult]:
         """One cycle for every row: draft k tokens (k = 0 without a drafter), verify [pending] + drafts,
         accept (greedy: the longest argmax-matching prefix and the target's next token; sampled: lossless
@@ -473,7 +348,7 @@ class JaxEngine:
         draft_probs, drafter_state = None, state.drafter
         if draft_fn is None:
             draft, draft_len = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
-        elif _stateful(draft_fn):  # its random key is in its state: the acceptance stream is the host loop's
+        elif is_device_state(draft_fn):  # its random key is in its state: the acceptance stream is the host loop's
             draft, draft_len, draft_probs, drafter_state = draft_fn.draft(params, draft_params, drafter_state, state.cache)
         else:  # the pending token at tokens[b, length[b]] ends each row's context
             draft, draft_len = draft_fn(state.tokens, state.length + 1)
@@ -508,7 +383,7 @@ class JaxEngine:
         count = jnp.minimum(count, max_new_tokens - state.generated)
         count = jnp.where(state.done | prefilling, 0, count).astype(jnp.int32)
         generated = state.generated + count
-        if _stateful(draft_fn):
+        if is_device_state(draft_fn):
             drafter_state = draft_fn.observe(draft_params, drafter_state, hidden, emitted, num_accepted + 1, state.length)
         state = DecodeState(
             cache=self._constrain(cache),
@@ -537,7 +412,7 @@ class JaxEngine:
         chunk = jnp.where(offsets < advance[:, None], chunk, self.cfg.pad_token_id)
         return chunk, advance
 
-    def _loop_fn(self, draft_fn: DraftFn | None = None):
+    def _loop_fn(self, draft_fn: DeviceDraftFn | None = None):
         """The whole decode, decode_step until every row is done, as one compiled while_loop."""
 
         def loop(params, state, max_new_tokens, eos_ids, draft_params=None):
@@ -546,7 +421,7 @@ class JaxEngine:
 
         return self._decode_fn("loop", loop, draft_fn)
 
-    def _steps_fn(self, cycles: int, draft_fn: DraftFn | None = None):
+    def _steps_fn(self, cycles: int, draft_fn: DeviceDraftFn | None = None):
         """`cycles` decode_steps as one compiled call (a lax.scan), their StepResults stacked and packed into one
         array (`pack_results`; JaxFusedCycle)."""
 
@@ -557,7 +432,7 @@ class JaxEngine:
 
         return self._decode_fn(("steps", cycles), steps, draft_fn)
 
-    def _decode_fn(self, kind, fn, draft_fn: DraftFn | None):
+    def _decode_fn(self, kind, fn, draft_fn: DeviceDraftFn | None):
         """fn jitted (the state donated) once per kind and drafter settings. Sampling settings and seeds are in
         the state, so requests reuse the program: jit compiles it once greedy (no RowSampling in the state) and
         once per set of filters a run names (a server's rows name none: one program for every mix)."""
@@ -695,7 +570,7 @@ class JaxEngine:
                 break
         return out
 
-    def generate_fused(self, prompt_ids: list[int], max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None,
+    def generate_fused(self, prompt_ids: list[int], max_new_tokens: int, eos_ids=(), draft_fn: DeviceDraftFn | None = None,
                        sampling: SamplingParams = SamplingParams()):
         """Decode in one device dispatch (after prefill): a lax.while_loop of decode_step until EOS or max
         tokens. Greedy by default; with a draft_fn it is speculative decoding, with the same output (greedy:
@@ -704,18 +579,18 @@ class JaxEngine:
         state = self.decode_fused(state, max_new_tokens, eos_ids, draft_fn)
         return self.emitted_tokens(state, len(prompt_ids), max_new_tokens)
 
-    def begin_decode(self, prompt_ids: list[int], max_new_tokens: int, draft_fn: DraftFn | None = None,
+    def begin_decode(self, prompt_ids: list[int], max_new_tokens: int, draft_fn: DeviceDraftFn | None = None,
                      sampling: SamplingParams = SamplingParams()) -> DecodeState:
         """Prefill one prompt and build the loop's state (batch 1)."""
         self._check_generation(prompt_ids, max_new_tokens)
         return self._start_decode([prompt_ids], sampling, done=max_new_tokens <= 0, draft_fn=draft_fn)
 
     def _start_decode(self, prompts: list[list[int]], sampling: SamplingParams = SamplingParams(),
-                      done: bool = False, draft_fn: DraftFn | None = None) -> DecodeState:
+                      done: bool = False, draft_fn: DeviceDraftFn | None = None) -> DecodeState:
         """Prefill one prompt per row and build the decode state: the prompts in the token buffer, the rows'
         seeds (SamplingParams.row_seeds), a stateful drafter's state started from the prompts."""
         self.prefill(prompts)
-        drafter = draft_fn.begin(self.params, prompts, self.prefill_hidden) if _stateful(draft_fn) else {}
+        drafter = draft_fn.begin(self.params, prompts, self.prefill_hidden) if is_device_state(draft_fn) else {}
         return self._decode_state(prompts, sampling, done, drafter)
 
     def _prefill_state(self, prompts: list[list[int]], sampling: SamplingParams) -> DecodeState:
@@ -748,13 +623,13 @@ class JaxEngine:
         ))
         return DecodeState(cache=self.cache if cache is None else cache, length=self.lengths, drafter=drafter, **host)
 
-    def decode_fused(self, state: DecodeState, max_new_tokens: int, eos_ids=(), draft_fn: DraftFn | None = None):
+    def decode_fused(self, state: DecodeState, max_new_tokens: int, eos_ids=(), draft_fn: DeviceDraftFn | None = None):
         """The whole decode loop as one compiled call (the state holds the sampling settings); returns the final
         state without waiting for it."""
         self.cache = None  # donated to the loop
         self.dispatches += 1
         loop = self._loop_fn(draft_fn)
-        state = loop(self.params, state, *_stop_arrays(max_new_tokens, eos_ids), _draft_params(draft_fn))
+        state = loop(self.params, state, *stop_arrays(max_new_tokens, eos_ids), draft_params(draft_fn))
         self.cache, self.lengths = state.cache, state.length
         return state
 
@@ -769,7 +644,7 @@ class JaxEngine:
         check_context(self, [prompt_ids], max_new_tokens)
 
 
-def _stop_arrays(max_new_tokens: int, eos_ids) -> tuple[jax.Array, jax.Array]:
+def stop_arrays(max_new_tokens: int, eos_ids) -> tuple[jax.Array, jax.Array]:
     """The device-side stop: the token budget and the EOS ids, padded with -1 (no token) to a multiple of 8
     (fewer recompiles)."""
     eos_ids = sorted(eos_ids)
@@ -778,242 +653,4 @@ def _stop_arrays(max_new_tokens: int, eos_ids) -> tuple[jax.Array, jax.Array]:
     return jax.device_put(np.int32(max_new_tokens)), jax.device_put(eos)
 
 
-_NO_EOS = np.full(8, -1, np.int32)  # _stop_arrays' EOS ids of none
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _admitted(state: DecodeState, row, tokens, seeds) -> DecodeState:
-    """A state whose row starts a request: its prompt (already committed but its last token) in the token
-    buffer, nothing generated, its seed."""
-    return state._replace(tokens=state.tokens.at[row].set(tokens), generated=state.generated.at[row].set(0),
-                          done=state.done.at[row].set(False), cycles=state.cycles.at[row].set(0),
-                          seeds=state.seeds.at[row].set(seeds))
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _retired(state: DecodeState, row) -> DecodeState:
-    return state._replace(done=state.done.at[row].set(True))
-
-
-CYCLES_PER_CALL = 8  # decode cycles per dispatch of JaxFusedCycle: fewer host round trips, text still streams
-
-
-class JaxFusedCycle:
-    """Cycles of draft (on the device) -> verify -> accept -> commit, `cycles_per_call` of them per compiled
-    call (a lax.scan of decode_step), with the host interface of torch's FusedCycle (`verifier`, `start`,
-    `step`): specdec.generate.run_cycles drives either engine's fused cycle, and `step` hands it one cycle's
-    results at a time. One dispatch and one host sync per `cycles_per_call` cycles: a cycle costs the device
-    time of its step, not a round trip (the whole-decode while_loop avoids even those, but streams nothing).
-
-    The stop condition's EOS ids and token budget go to the device, which stops advancing a row once it is
-    done (as the while_loop does), so cycles run past a row's end write nothing beyond its context; stop
-    strings and the exact cut stay on the host. `draft_fn` proposes k tokens (a device drafter's function,
-    specdec.protocol.DeviceDrafter); with k = 0 nothing is drafted (draft_fn may be None) and each cycle is
-    one plain decode step. Sampled decoding draws keyed by each row's seed (sampling.seed + row) and
-    position (specdec.acceptance). The compiled program is the engine's, shared by every cycle of equal
-    drafter settings and cycles per call: the sampling settings and seeds are in the state (a program greedy, one
-    per set of filters in use). `admit` and `retire` serve requests row by row (a server's continuous batching),
-    each row by its own settings, the filters picked on the device.
-
-    `prefetch` (default: on an accelerator; torch's FusedCycle has the same): `step` dispatches the next call
-    before it reads this one's results, so the device runs cycles while the host streams the last call's tokens.
-    The call dispatched after the last one read is wasted; `drain` waits for it. On the CPU the host and the
-    "device" share the cores, so the overlap buys little and the wasted call costs."""
-
-    def __init__(self, engine: JaxEngine, draft_fn: DraftFn | None, k: int, sampling: SamplingParams = SamplingParams(),
-                 cycles_per_call: int = CYCLES_PER_CALL, prefetch: bool | None = None):
-        if not 0 <= k <= engine.k_max:
-            raise SpecdecError(f"k={k} is outside 0..{engine.k_max} (the engine's compiled maximum)")
-        if k > 0 and draft_fn is None:
-            raise SpecdecError(f"k={k} drafts need a draft function")
-        if cycles_per_call < 1:
-            raise SpecdecError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
-        self.verifier, self.k, self.sampling = engine, k, sampling
-        self.draft_fn = draft_fn if k > 0 else None
-        self._steps = engine._steps_fn(cycles_per_call, self.draft_fn)
-        self.cycles_per_call = cycles_per_call
-        self.widths = (engine.batch,)  # every cycle runs every row: XLA's kernels take whole arrays, not views
-        # decode_step prefills in a forward as wide as prefill's chunks, which a stateful drafter's begin
-        # (from prefill's hidden states) cannot wait for; an engine with prefill_chunk prefills in its own program.
-        self._prefills_in_cycle = (engine.prefill_chunk is None and not _stateful(self.draft_fn)
-                                   and engine._bucket(k + 1) == engine.buckets[-1])
-        self.decode_cycles_in_start = 0  # decode cycles the last start ran with its prefill, handed out first by step
-        self._compiling: list[Future] = []  # compile_ahead's compilations under way
-        self.device_cycles = 0  # cycles of the calls whose results were read, cycles_per_call each (prefill's too)
-        self.prefetch = jax.default_backend() != "cpu" if prefetch is None else prefetch
-        self._in_flight = None  # the results, on the device, of a call dispatched ahead and not read
-        self.state: DecodeState | None = None
-        self._stop: tuple[jax.Array, jax.Array] | None = None
-        self._ready: list[CycleResult] = []  # cycles run on the device, not yet handed out
-        self._rows: list[SamplingParams] | None = None  # serving (admit): each row's settings, seed aside
-        self._budget: np.ndarray | None = None  # serving: each row's token budget
-        self._admitting: dict[int, tuple] = {}  # serving: row -> (prompt, seed words), prefilled at the next call
-
-    def compile_ahead(self, stop: StopCondition) -> None:
-        """Start compiling what a run needs, in threads, and return: `start` waits for it. That is this
-        cycle's program, which prefills too; or, where prefill runs on its own (the engine's prefill_chunk, or a
-        forward narrower than prefill's chunks), prefill's program as well, the two side by side; and the cache's
-        reset, which start runs first. The programs are lowered here (which holds the GIL) against the shapes of the
-        weights, the cache and the state the real calls build (eval_shape of the same code), so they need not wait
-        for the transfer of the weights and cache, which starts next, and those calls find them compiled; XLA
-        compiles without the GIL. Prompt lengths do not enter the programs. A stateful drafter's state takes its
-        shape from the drafter's own prefill: with one, the programs compile in turn, at first use."""
-        engine = self.verifier
-        if _stateful(self.draft_fn):
-            engine.start_transfer()
-            return
-        prompts = [[engine.cfg.pad_token_id]] * engine.batch
-        state = jax.eval_shape(lambda cache: engine._decode_state(prompts, self.sampling, False, {},
-                                                                  prefilled=not self._prefills_in_cycle, cache=cache),
-                               engine.cache_shapes)
-        stop_arrays = _stop_arrays(stop.max_new_tokens, stop.eos_ids)
-        lowered = [self._steps.lower(engine.param_shapes, state, *stop_arrays, None),
-                   engine._reset_fn.lower(engine.cache_shapes)]  # start empties the cache first
-        if not self._prefills_in_cycle:
-            lowered.append(engine.lower_prefill())
-        pool = ThreadPoolExecutor(len(lowered))
-        self._compiling = [pool.submit(program.compile) for program in lowered]
-        pool.shutdown(wait=False)
-        engine.start_transfer()
-
-    def wait_compiled(self) -> None:
-        """Wait for compile_ahead's compilations, raising what they raised."""
-        for compiling in self._compiling:
-            compiling.result()
-        self._compiling = []
-
-    def start(self, prompts: list[list[int]], stop: StopCondition) -> None:
-        """Prefill: where it can, inside the cycle program, whose calls that hold the prefill cycles run here
-        (the decode cycles that end the last of them wait for `step`: `decode_cycles_in_start`); else
-        through the engine's `prefill`."""
-        self.wait_compiled()
-        self._rows = self._budget = None  # a state for these prompts alone
-        self._admitting = {}
-        self._stop = _stop_arrays(stop.max_new_tokens, stop.eos_ids)
-        self._ready = []
-        self._in_flight = None  # an earlier run's: its state is replaced below
-        if not self._prefills_in_cycle:
-            self.state = self.verifier._start_decode(prompts, self.sampling, draft_fn=self.draft_fn)
-            self.decode_cycles_in_start = 0
-            return
-        self.state = self.verifier._prefill_state(prompts, self.sampling)
-        for _ in range(-(-self.verifier.prefill_cycles(prompts) // self.cycles_per_call)):
-            self._read(self._dispatch())  # nothing ahead: run_cycles times start as the prefill
-        self.decode_cycles_in_start = len(self._ready)
-
-    def step(self, prefetch: bool | None = None) -> CycleResult:
-        """The next cycle's results; `prefetch` (None: the cycle's setting) dispatches the next call before it
-        reads this one."""
-        while not self._ready:
-            results = self._in_flight if self._in_flight is not None else self._dispatch()
-            self._in_flight = self._dispatch() if (self.prefetch if prefetch is None else prefetch) else None
-            self._read(results)
-        return self._ready.pop()
-
-    # -- serving: rows admitted and retired one by one (continuous batching) ------------------------------
-
-    def admit(self, row: int, prompt: list[int], max_new_tokens: int,
-              sampling: SamplingParams = SamplingParams()) -> None:
-        """Start a request in one row while the other rows keep theirs, with its budget, settings and seed (None:
-        0); each row is then accepted by its own settings (RowSampling). The prompt is checked now and prefilled
-        before the next call, in the same forwards as every row admitted since (the engine's prefill_rows), and a
-        stateful drafter's state starts those rows from them (`begin_rows`). Such a drafter must be greedy
-        (SamplingParams()): its drafts are then a point mass for every row's rule, where a sampling drafter's key
-        is the batch's. With several cycles a call, a request joins between calls; the device stops its row at its
-        budget, and a row the host stops (EOS, a stop string) decodes on to its call's end, its tokens there the
-        caller's to drop."""
-        if _stateful(self.draft_fn) and not self.draft_fn.sampling.greedy:
-            raise SpecdecError("rows are admitted one by one only beside a greedy drafter (SamplingParams()): a "
-                               "sampling drafter draws from one random key for the whole batch")
-        if self._in_flight is not None or self._ready:
-            raise SpecdecError("a row is admitted while cycles that ran over the rows as they were wait to be handed "
-                               "out: collect them first")
-        self.verifier._check_prompt(prompt)
-        self._start_serving()
-        self._rows[row] = dataclasses.replace(sampling, seed=None)
-        self._budget[row] = max_new_tokens
-        self._admitting[row] = (prompt, seed_words([sampling.seed or 0])[0].astype(np.uint32))
-
-    def retire(self, row: int) -> None:
-        """Stop one row advancing: it rides along, done, until it is admitted again. A call in flight may still
-        advance it once; its results for the row are the caller's to ignore."""
-        if self.state is None:
-            return
-        self._admitting.pop(row, None)
-        self._rows[row] = SamplingParams()
-        self._set_state(_retired(self.state, row))
-        self._set_rules()
-
-    def collect(self) -> CycleResult | None:
-        """The next cycle already run or running (a call in flight is read), dispatching none; None once every
-        cycle run is handed out."""
-        if self._in_flight is not None:
-            results, self._in_flight = self._in_flight, None
-            self._read(results)
-        return self._ready.pop() if self._ready else None
-
-    def _start_serving(self) -> None:
-        """Once: the state rows are admitted into, every row done until admitted, a budget per row, a stateful
-        drafter's state of no request."""
-        if self._rows is None:
-            engine = self.verifier
-            batch = engine.batch
-            self._rows = [SamplingParams()] * batch
-            self._budget = np.zeros(batch, np.int32)
-            drafter = self.draft_fn.init_state() if _stateful(self.draft_fn) else {}
-            self._set_state(engine._decode_state([[engine.cfg.pad_token_id]] * batch, SamplingParams(), True, drafter))
-
-    def _set_state(self, state: DecodeState) -> None:
-        self.state = state
-        self.verifier.cache, self.verifier.lengths = state.cache, state.length
-
-    def _prefill_admitted(self) -> None:
-        """Prefill the rows admitted since the last call, together, and start them in the state (a stateful
-        drafter's too, from the hidden states their prefill leaves)."""
-        if not self._admitting:
-            return
-        engine = self.verifier
-        prompts = {row: prompt for row, (prompt, _) in self._admitting.items()}
-        engine.prefill_rows(prompts)
-        state = self.state._replace(cache=engine.cache, length=engine.lengths)
-        if _stateful(self.draft_fn):
-            state = state._replace(drafter=self.draft_fn.begin_rows(engine.params, state.drafter, prompts,
-                                                                    engine.prefill_hidden))
-        for row, (prompt, seeds) in self._admitting.items():
-            tokens = np.zeros(state.tokens.shape[1], np.int32)
-            tokens[: len(prompt)] = prompt
-            state = _admitted(state, row, tokens, seeds)
-        self._admitting = {}
-        self._set_state(state)
-        self._set_rules()
-
-    def _set_rules(self) -> None:
-        """The device's copy of each row's budget and settings. While every row is greedy, the state carries no
-        RowSampling and the cycle's program is the greedy rule's. No EOS stops a row on the device: the host
-        applies each request's stop condition."""
-        sampled = any(not r.greedy for r in self._rows)
-        self.state = self.state._replace(sampling=jax.device_put(RowSampling.of(self._rows)) if sampled else None)
-        self._stop = jax.device_put((self._budget, _NO_EOS))
-
-    def drain(self) -> None:
-        """Wait for the call in flight, whose results no one will read, so that it is not timed with what runs
-        next."""
-        if self._in_flight is not None:
-            jax.block_until_ready(self._in_flight)
-        self._in_flight = None
-
-    def _dispatch(self):
-        """Dispatch one call of `cycles_per_call` cycles (it returns at once) -> its results, on the device."""
-        self._prefill_admitted()
-        engine = self.verifier
-        engine.cache = None  # donated to the call
-        engine.dispatches += 1
-        self.state, results = self._steps(engine.params, self.state, *self._stop, _draft_params(self.draft_fn))
-        engine.cache, engine.lengths = self.state.cache, self.state.length
-        results.copy_to_host_async()  # the copy follows the call on the device; _read then finds it done
-        return results
-
-    def _read(self, results) -> None:
-        """Wait for a call's results; its decode cycles' join the queue (a prefill cycle has none to hand out)."""
-        self.device_cycles += self.cycles_per_call
-        self._ready = unpack_cycles(np.asarray(results))[::-1] + self._ready
+NO_EOS = np.full(8, -1, np.int32)  # stop_arrays' EOS ids of none

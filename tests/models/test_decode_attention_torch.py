@@ -1,11 +1,11 @@
-"""decode_attention: how the cache's slots are split (anywhere), and on Hopper the attention itself against float64,
+"""decode_attention_torch: how the cache's slots are split (anywhere), and on Hopper the attention itself against float64,
 rows independent of the forward's width, and a compiled forward under programmatic dependent launch in a CUDA
 graph reading each replay's new query and cache slot."""
 
 import pytest
 import torch
 
-from specdec.models import decode_attention, decode_plan, skinny_gemm
+from specdec.models import decode_attention_torch, decode_plan, skinny_gemm
 
 hopper = pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton and Hopper")
 
@@ -75,7 +75,7 @@ def test_attention_against_float64(name):
     it replaces (bf16 scores and probabilities, float32 softmax)."""
     q, keys, values, stored, lowest, highest, groups = case(name)
     scale = q.shape[-1] ** -0.5
-    out = decode_attention.attend(q, keys, values, stored, lowest, highest, scale, groups)
+    out = decode_attention_torch.attend(q, keys, values, stored, lowest, highest, scale, groups)
     assert out.dtype == q.dtype
     exact, mask = exact_attention(q, keys, values, stored, lowest, highest, groups, scale)
     scores = (q @ keys.transpose(-1, -2) * scale).masked_fill(~mask, -torch.inf)
@@ -94,8 +94,8 @@ def test_a_rows_attention_does_not_depend_on_the_forwards_width(name):
     """A one-token forward's output is bitwise that of the same token first in a 16-token forward."""
     q, keys, values, stored, lowest, highest, groups = case(name)
     scale = q.shape[-1] ** -0.5
-    wide = decode_attention.attend(q, keys, values, stored, lowest, highest, scale, groups)
-    one = decode_attention.attend(q[:, :, :groups], keys, values, stored, lowest[:, :1], highest[:, :1], scale, groups)
+    wide = decode_attention_torch.attend(q, keys, values, stored, lowest, highest, scale, groups)
+    one = decode_attention_torch.attend(q[:, :, :groups], keys, values, stored, lowest[:, :1], highest[:, :1], scale, groups)
     assert torch.equal(one, wide[:, :1])
 
 
@@ -106,7 +106,7 @@ def test_compiled_attention_in_a_graph_reads_each_replays_query_and_slot():
     it waits for them in-kernel); replayed from a CUDA graph on new inputs, it gives the compiled function's bits."""
     from torch._inductor.utils import run_and_get_code
 
-    from specdec.verifiers.torch_engine import _configure_compile, capture_graph
+    from specdec.engines.verifier_torch import _configure_compile, capture_graph
 
     _configure_compile()
     _, keys, values, stored, lowest, highest, groups = case("270m sliding")
@@ -115,7 +115,7 @@ def test_compiled_attention_in_a_graph_reads_each_replays_query_and_slot():
     def step(x, new_key, keys, values):
         keys[:, :, slot] = new_key * 2  # the slot this forward commits, written by a kernel before the attention
         q = (x.float() * 1.5).to(x.dtype)
-        return decode_attention.attend(q, keys, values, stored, lowest, highest, 0.0625, groups) + 1
+        return decode_attention_torch.attend(q, keys, values, stored, lowest, highest, 0.0625, groups) + 1
 
     compiled = torch.compile(step, fullgraph=True)
     first, key = bf16(1, 1, 64, 256, seed=40), bf16(1, 1, 256, seed=41)

@@ -46,15 +46,15 @@ def windowed(request, tmp_path_factory):
 
 
 def torch_engine(path):
-    from specdec.models.torch_gemma import GemmaModel
-    from specdec.verifiers.torch_engine import TorchEngine
+    from specdec.engines.verifier_torch import TorchEngine
+    from specdec.models.gemma_torch import GemmaModel
 
     return TorchEngine(GemmaModel.from_checkpoint(path, max_seq_len=MAX_SEQ), max_seq_len=MAX_SEQ, k_max=K_MAX)
 
 
 def jax_engine(path):
     pytest.importorskip("jax")
-    from specdec.verifiers.jax_engine import JaxEngine
+    from specdec.engines.verifier_jax import JaxEngine
 
     return JaxEngine.from_checkpoint(path, max_seq_len=MAX_SEQ, k_max=K_MAX)
 

@@ -104,11 +104,11 @@ class Server:
 
     def __init__(self, engine, state, k: int):
         if engine.framework == "jax":
-            from specdec.verifiers.jax_engine import JaxFusedCycle
+            from specdec.engines.cycle_jax import JaxFusedCycle
 
             self.cycle = JaxFusedCycle(engine, state, k, cycles_per_call=CYCLES_PER_CALL)
         else:
-            from specdec.verifiers.torch_engine import FusedCycle
+            from specdec.engines.cycle_torch import FusedCycle
 
             self.cycle = FusedCycle(engine, state, k, widths=(engine.batch,))
         for row in range(engine.batch):

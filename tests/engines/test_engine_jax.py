@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specdec.engines.cycle_jax import JaxFusedCycle
+from specdec.engines.verifier_jax import PREFILL_CHUNK, JaxEngine, StepResult, pack_results, unpack_cycles
 from specdec.errors import SpecdecError
 from specdec.models.config import PARTS_GPU_XLA_FLAGS, with_parts_xla_flags
 from specdec.protocol import Verifier
-from specdec.verifiers.jax_engine import (PREFILL_CHUNK, JaxEngine, JaxFusedCycle, StepResult, pack_results,
-                                         unpack_cycles)
 
 VARIANT = "gemma4_e"  # per-layer inputs, KV-shared layers, double-wide MLPs
 K_MAX = 4
@@ -62,8 +62,8 @@ def test_fused_loop_bit_identical_to_step_by_step(engine, reference):
 
 
 def test_matches_torch_engine(random_checkpoints, engine, reference):
-    from specdec.models.torch_gemma import GemmaModel
-    from specdec.verifiers.torch_engine import TorchEngine
+    from specdec.engines.verifier_torch import TorchEngine
+    from specdec.models.gemma_torch import GemmaModel
 
     model = GemmaModel.from_checkpoint(random_checkpoints[VARIANT], max_seq_len=256)
     assert TorchEngine(model, max_seq_len=256, k_max=K_MAX).greedy_decode(PROMPT, 40) == reference[:40]
@@ -122,9 +122,9 @@ def test_compile_ahead_leaves_nothing_for_the_run_to_compile(random_checkpoints,
     with them then finds them compiled (or finds them in the persistent cache, which other tests may have filled)
     and compiles none again."""
     from specdec.drafters.ngram import NgramDrafter
+    from specdec.engines.cycle_jax import JaxFusedCycle
     from specdec.generate import StopCondition, run_cycles
     from specdec.sampling import SamplingParams
-    from specdec.verifiers.jax_engine import JaxFusedCycle
 
     fresh = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=256, k_max=K_MAX,
                                       background=background, prefill_chunk=prefill_chunk)
@@ -186,9 +186,9 @@ def test_fused_cycle_prefills_in_its_own_program_as_prefill_does(engine, tempera
     so the fifth call ends in two decode cycles, which the stats time with the prefill. Its tokens are the
     host-prefilled while_loop's, greedy and sampled (a prefill cycle draws no random numbers)."""
     from specdec.drafters.ngram import NgramDrafter
+    from specdec.engines.cycle_jax import JaxFusedCycle
     from specdec.generate import StopCondition, run_cycles
     from specdec.sampling import SamplingParams
-    from specdec.verifiers.jax_engine import JaxFusedCycle
 
     sampling = SamplingParams(temperature=temperature, seed=5)
     draft_fn = NgramDrafter().device_draft_fn("jax", K_MAX)
@@ -255,7 +255,7 @@ def test_fused_cycle_prefills_before_its_cycles_with_prefill_chunk(chunked, temp
 
 def test_prefill_forward_refuses_counts_it_cannot_honour(engine):
     """Counts are a prefill forward's, over chunks whose tokens each take a slot of their own."""
-    from specdec.models.jax_gemma import forward
+    from specdec.models.gemma_jax import forward
 
     tokens = jnp.full((1, 65), 3, jnp.int32)
     positions = jnp.arange(65, dtype=jnp.int32)[None]
@@ -270,8 +270,8 @@ def test_prefill_forward_refuses_counts_it_cannot_honour(engine):
 def test_fused_cycle_prefills_rows_of_different_lengths_together(engine):
     """Batch 2, prompts of 4 and 10 chunks: the shorter row waits for the longer, as prefill runs them, and
     each row decodes its single-request tokens."""
+    from specdec.engines.cycle_jax import JaxFusedCycle
     from specdec.generate import StopCondition, run_cycles
-    from specdec.verifiers.jax_engine import JaxFusedCycle
 
     prompts = [PROMPT[:30], PROMPT[:75]]
     expected = [engine.generate(p, 6) for p in prompts]
@@ -283,7 +283,7 @@ def test_weights_moved_in_the_background_are_the_checkpoints(random_checkpoints,
     """from_checkpoint(background=True) returns before the weights and the cache are on the device, with their
     shapes for lowering; `params` and `cache` wait for the same arrays a synchronous load makes, and raise what
     the transfer raised."""
-    from specdec.verifiers import jax_engine
+    from specdec.engines import verifier_jax
 
     later = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=1024, k_max=K_MAX,
                                       background=True)
@@ -301,7 +301,7 @@ def test_weights_moved_in_the_background_are_the_checkpoints(random_checkpoints,
     def fail(tensors, dtype, pack, **_):
         raise MemoryError("out of device memory")
 
-    monkeypatch.setattr(jax_engine, "to_device", fail)
+    monkeypatch.setattr(verifier_jax, "to_device", fail)
     failing = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, max_seq_len=64, k_max=K_MAX,
                                         background=True)
     with pytest.raises(MemoryError, match="out of device memory"):
@@ -313,7 +313,7 @@ def test_weights_moved_in_the_background_are_the_checkpoints(random_checkpoints,
 def test_one_device_engines_hold_packed_weights(random_checkpoints, engine):
     """from_checkpoint packs as the weights arrive; an engine given the checkpoint's names packs a copy; one
     given packed weights (another engine's) keeps those very arrays; the greedy tokens are the same."""
-    from specdec.models.jax_gemma import load_params
+    from specdec.models.gemma_jax import load_params
 
     assert "layers.0.mlp.gate_proj+up_proj.weight" in engine.params
     assert not any(name.endswith((".k_proj.weight", ".up_proj.weight")) for name in engine.params)
@@ -353,8 +353,8 @@ TP_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp
     from specdec.errors import SpecdecError
     from specdec.models.config import GemmaConfig
-    from specdec.models.jax_gemma import random_params
-    from specdec.verifiers.jax_engine import JaxEngine, make_mesh
+    from specdec.models.gemma_jax import random_params
+    from specdec.engines.verifier_jax import JaxEngine, make_mesh
 
     def config(kv_heads):
         return GemmaConfig.from_dict(dict(
@@ -439,8 +439,8 @@ PACK_SCRIPT = textwrap.dedent(
     import json, sys
     import jax.numpy as jnp
     import numpy as np
-    from specdec.models.jax_gemma import Parts, load_params, pack_projections
-    from specdec.verifiers.jax_engine import make_mesh, param_partition_spec, shard_params
+    from specdec.models.gemma_jax import Parts, load_params, pack_projections
+    from specdec.engines.verifier_jax import make_mesh, param_partition_spec, shard_params
 
     result = {}
     for path in sys.argv[1:]:
@@ -481,8 +481,8 @@ PARTS_PRELUDE = textwrap.dedent(
     import numpy as np
     import jax, jax.numpy as jnp
     from specdec.models.config import GemmaConfig
-    from specdec.models.jax_gemma import random_params
-    from specdec.verifiers.jax_engine import JaxEngine, make_mesh
+    from specdec.models.gemma_jax import random_params
+    from specdec.engines.verifier_jax import JaxEngine, make_mesh
 
     k_eq_v = GemmaConfig.from_dict(dict(
         model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -505,7 +505,7 @@ PARTS_SCRIPT = PARTS_PRELUDE + textwrap.dedent(
     """
     from specdec.drafters.model import ModelDrafter, drafter_engine
     from specdec.generate import StopCondition, run_cycles
-    from specdec.verifiers.jax_engine import JaxFusedCycle
+    from specdec.engines.verifier_jax import JaxFusedCycle
 
     models = {"k_eq_v": lambda dtype, **kw: JaxEngine(k_eq_v, random_params(k_eq_v, jax.random.key(0), dtype), **kw)}
     for path in sys.argv[1:]:
