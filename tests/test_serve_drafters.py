@@ -59,6 +59,7 @@ def test_served_drafter_answers_as_generate_does(setups, method, engine):
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
+        row_start_programs = row_start_program_count(server)
 
         def complete(prompt, **kwargs):
             return client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, **kwargs)
@@ -91,8 +92,22 @@ def test_served_drafter_answers_as_generate_does(setups, method, engine):
             beside = pool.submit(complete, PROMPTS[2], temperature=1.0, seed=7)
             pool.submit(complete, PROMPTS[0], temperature=0)
         assert beside.result().choices[0].text == alone
+
+        # The warm-up compiled the programs that start a row for every prompt length: a long prompt compiles none.
+        complete("x" * 100, temperature=0)
+        assert row_start_program_count(server) == row_start_programs
     finally:
         server.stop()
+
+
+def row_start_program_count(server) -> int | None:
+    """Programs the JAX EAGLE-3 head has compiled to start rows (one per prompt bucket: 16, 32, 64 and 128 tokens at
+    this context of 128); None for any other drafter or engine."""
+    start = getattr(server.scheduler.cycle.draft_fn, "_start", None)
+    if start is None:
+        return None
+    assert start._cache_size() == 4
+    return start._cache_size()
 
 
 @pytest.mark.gpu

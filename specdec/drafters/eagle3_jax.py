@@ -226,6 +226,17 @@ class JaxEagle3(JaxHostDriven):
             last[row, 0] = prompt[-1]
         return self._start(target_params, self.params, state, *jax.device_put((started, tokens, taps, count, last)))
 
+    def compile_row_starts(self, target_params, longest_prompt: int) -> None:
+        """Start a row of a throwaway state once per prompt bucket up to `longest_prompt` tokens: each bucket's head
+        prefill is a program of its own, seconds to compile."""
+        pairs = 1
+        while True:
+            hidden = {0: np.zeros((pairs, 3, self.cfg.hidden_size), np.float32)}
+            self.begin_rows(target_params, self.init_state(), {0: [0] * (pairs + 1)}, hidden)
+            if _bucket(pairs) >= _bucket(max(longest_prompt - 1, 1)):
+                return
+            pairs = _bucket(pairs) + 1  # the next bucket's fewest pairs
+
     def draft(self, target_params, params, state, target_cache=None):
         """-> (draft [B, k] target ids, draft_len [B], draft probs [B, k, V] when sampled else None, state).
         The target's cache is not read (the head keeps its own)."""

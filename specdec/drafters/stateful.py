@@ -13,7 +13,9 @@ Each such drafter is a *device state* per framework, which the fused cycles run 
          begin_rows(target_params, state, {row: prompt}, prompt_hidden) -> state;
          draft(target_params, params, state, target_cache) -> (tokens, draft_len, probs | None, state);
          observe(params, state, hidden, emitted, count, start) -> state;
-         host_draft(target_params, target_cache) / host_observe(...) over a state kept on the object
+         host_draft(target_params, target_cache) / host_observe(...) over a state kept on the object;
+         compile_row_starts(target_params, longest_prompt): compile what begin_rows runs for any prompt up to
+         that long, so that a server's first request of a length pays no compile (its warm-up)
 
 `begin` starts every row; `begin_row` / `begin_rows` start a server's newly admitted rows (the cycles' `admit`) and
 leave every other row's state as it is: its cache rows (but for what lies past a row's context, as pads a JAX model
@@ -84,6 +86,10 @@ class JaxHostDriven:
     def host_draft(self, target_params, target_cache=None):
         draft, draft_len, probs, self.state = self._host_draft(target_params, self.params, self.state, target_cache)
         return draft, draft_len, probs
+
+    def compile_row_starts(self, target_params, longest_prompt: int) -> None:
+        """Nothing by default: a state whose begin_rows runs no program shaped by the prompt's length (an MTP
+        assistant's rows are set in place; a model drafter prefills through its engine's fixed-width forward)."""
 
     def host_observe(self, hidden, emitted, count, start) -> None:
         import jax.numpy as jnp

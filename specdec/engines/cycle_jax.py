@@ -113,6 +113,12 @@ class JaxFusedCycle:
         pool.shutdown(wait=False)
         engine.start_transfer()
 
+    def compile_row_starts(self, longest_prompt: int) -> None:
+        """A stateful drafter's programs that start an admitted row, for every prompt up to `longest_prompt` tokens
+        (a server's warm-up: compile_ahead leaves a stateful drafter's programs to their first use)."""
+        if is_device_state(self.draft_fn):
+            self.draft_fn.compile_row_starts(self.verifier.params, longest_prompt)
+
     def wait_compiled(self) -> None:
         """Wait for compile_ahead's compilations, raising what they raised."""
         for compiling in self._compiling:

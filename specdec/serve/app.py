@@ -118,7 +118,11 @@ class ModelServer:
     def warm_up(self) -> None:
         """Short generations, greedy and sampled with each set of filters, so no request pays for compiling or
         capturing them: torch's cycle captures one graph per set; JAX compiles a greedy program and one for every
-        mix of settings, whose filters run where a row uses them."""
+        mix of settings, whose filters run where a row uses them. On JAX, a stateful drafter's programs that start a row
+        are compiled for every prompt length the context allows (an EAGLE-3 head's prefill: one per bucket)."""
+        if self.target.engine_name == "jax":
+            engine = self.target.engine
+            self.scheduler.cycle.compile_row_starts(engine.max_seq_len - engine.width)
         prompt = self.tokenizer.encode("Hello")
         filters = {"top_k": 50, "top_p": 0.9, "min_p": 0.05}
         samplings = [SamplingParams()]
