@@ -175,6 +175,21 @@ def test_serve_max_model_len_below_a_decode_forward(tmp_path):
                                                             "--max-model-len", "0")
 
 
+@pytest.mark.parametrize("args", [
+    ["serve", "--max-num-seqs", "1000000000"],
+    ["serve", "--max-num-seqs", "1000000000", "--engine", "jax"],
+    ["distill", "--prompts", "{prompts}", "--out", "{out}", "--batch", "1000000000"],
+    ["distill", "--prompts", "{prompts}", "--out", "{out}", "--batch", "1000000000", "--engine", "jax"],
+], ids=["serve-torch", "serve-jax", "distill-torch", "distill-jax"])
+def test_a_batch_beyond_memory_is_refused_before_the_allocator_fails(ckpt, args, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello\n")
+    args = [a.format(prompts=prompts, out=tmp_path / "d") for a in args]
+    line = refused(*args, "--target", ckpt)
+    assert "a KV cache of 1000000000 rows" in line and "GiB free: ask for fewer rows" in line
+    assert not (tmp_path / "d").exists()
+
+
 def test_serve_on_a_busy_port_says_so_before_loading(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

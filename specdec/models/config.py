@@ -237,6 +237,18 @@ class GemmaConfig:
             for s in self.layers
         ]
 
+    def check_cache_fits(self, batch: int, max_seq_len: int, k_max: int, itemsize: int, free_bytes: int | None,
+                         where: str, lookahead: int = 0) -> None:
+        """Refuse, in one line, a KV cache (kv_cache_shapes at `itemsize` bytes an element) larger than the memory
+        free where it goes, before the allocator fails with a traceback; free_bytes None: unknown, not checked."""
+        need = sum(int(np.prod(shape)) * (2 if values else 1) * itemsize
+                   for shape, values in filter(None, self.kv_cache_shapes(batch, max_seq_len, k_max, lookahead)))
+        if free_bytes is not None and need > free_bytes:
+            raise SpecdecError(
+                f"a KV cache of {batch} rows x {max_seq_len} positions needs {need / 2**30:.1f} GiB, but {where} has "
+                f"{free_bytes / 2**30:.1f} GiB free: ask for fewer rows (--max-num-seqs, --batch) or a shorter "
+                "context (--max-model-len, --max-seq-len)")
+
     def shard(self, tp: int) -> "GemmaConfig":
         """The config one of `tp` tensor-parallel devices builds: its share of the attention heads, KV heads
         and MLP columns (tp_split_axis says which slice of each weight it holds); the rest is whole."""
@@ -456,3 +468,15 @@ def _parse(raw: dict, model_type: str, source: str) -> GemmaConfig:
         layers=tuple(layers),
         **kwargs,
     )
+
+
+def host_available_bytes() -> int | None:
+    """The host memory a new allocation can take without swapping (/proc/meminfo's MemAvailable); None where the
+    system does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
