@@ -483,8 +483,14 @@ def _vllm_decoder(job: dict):
     """decode(text, ids, method, max_new_tokens) -> Run with vLLM's offline `LLM.generate`, greedy: plain, its
     n-gram drafting (prompt lookup of 3 down to 1 tokens, as ours) and each EAGLE-3 head of --drafter, at K draft
     tokens. vLLM fixes the speculative method when an LLM is built, so each method has an LLM of its own, all
-    alive at once (a prompt's methods run back to back), each with an equal share of the GPU's memory."""
+    alive at once (a prompt's methods run back to back), each with an equal share of the GPU's memory. EAGLE-3
+    runs on vLLM's Transformers modeling backend: its own Gemma 3 (vllm 0.24, models/gemma3.py) is no
+    SupportsEagle3 and gives the head no hidden states; plain and n-gram keep its own."""
+    import importlib.util
     import time
+
+    if importlib.util.find_spec("flashinfer") is None:  # vLLM without FlashInfer (scripts/stage_vllm.sh): its
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # sampler would import it on CUDA and fail
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -495,14 +501,16 @@ def _vllm_decoder(job: dict):
     methods = engine_methods("vllm", settings)
     llms = {}
     for method in methods:
-        speculative = None
+        speculative, backend = None, {}
         if method.k:  # --speculative-config as vLLM spells it (the registry's vllm_method)
             kind, path = parse_spec(method.drafter)
             speculative = {"method": kind.vllm_method, "num_speculative_tokens": method.k} | (
                 {"model": str(path)} if path else {"prompt_lookup_min": 1, "prompt_lookup_max": 3})
+            if kind.vllm_method == "eagle3":
+                backend = {"model_impl": "transformers"}
         try:
             llms[method] = LLM(job["checkpoint"], dtype=job["dtype"], max_model_len=job["context"], seed=0,
-                               gpu_memory_utilization=0.85 / len(methods), speculative_config=speculative)
+                               gpu_memory_utilization=0.85 / len(methods), speculative_config=speculative, **backend)
         except Exception as e:  # vLLM raises many kinds; the bench reports the first line of any
             raise SpecdecError(f"vLLM cannot run {method.name} ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 

@@ -4,6 +4,7 @@ failing the run, prompts from local datasets, and bad input as one line on stder
 import importlib.machinery
 import itertools
 import json
+import os
 import sys
 from importlib.util import find_spec
 from types import ModuleType, SimpleNamespace
@@ -276,8 +277,12 @@ def test_llama_cpp_needs_the_targets_gguf(ckpt, prompts_file, tmp_path, identica
 
 def test_vllm_runs_plain_its_ngram_and_each_eagle3_head(ckpt, prompts_file, tmp_path, identical_engine, monkeypatch):
     """The vLLM peer, on a stand-in for vllm: an LLM per method, sharing the GPU's memory, with vLLM's n-gram
-    (3- to 1-token matches, as ours) and the EAGLE-3 head of --drafter at each K; greedy, from the prompts' ids."""
+    (3- to 1-token matches, as ours) and the EAGLE-3 head of --drafter at each K, on vLLM's Transformers backend
+    (its own Gemma 3 gives no EAGLE-3 hidden states); greedy, from the prompts' ids. Without FlashInfer, vLLM's
+    sampler is told not to import it."""
     head = tiny_eagle3_head(ckpt, tmp_path / "head")
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "")  # whatever the bench sets is undone after the test
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
     built, asked = [], []
 
     class LLM:
@@ -302,6 +307,8 @@ def test_vllm_runs_plain_its_ngram_and_each_eagle3_head(ckpt, prompts_file, tmp_
     assert [options["speculative_config"] for _, options in built] == [
         None, *({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
                 for k in (2, 3)), *({"method": "eagle3", "model": str(head), "num_speculative_tokens": k} for k in (2, 3))]
+    assert [options.get("model_impl") for _, options in built] == [None] * 3 + ["transformers"] * 2
+    assert find_spec("flashinfer") is not None or os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert {model for model, _ in built} == {str(ckpt)}
     assert all(o["dtype"] == "float32" and o["gpu_memory_utilization"] == pytest.approx(0.85 / 5) for _, o in built)
     assert all(s["temperature"] == 0.0 for _, s in asked) and {s["max_tokens"] for _, s in asked} == {WARMUP_TOKENS, 5}
