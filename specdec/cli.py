@@ -415,7 +415,7 @@ def serve(
     port: int = typer.Option(8000, help="port to listen on (0: a free one)"),
     max_num_seqs: int = typer.Option(8, help="requests decoded together (rows of the engine's batch)"),
     max_model_len: int = typer.Option(4096, help="positions the KV cache holds per request: its prompt and generated tokens fit in all but the few kept for drafts (/v1/models says how many fit)"),
-    speculative_config: Optional[str] = typer.Option(None, help='JSON as vLLM\'s: {"method": M, "num_speculative_tokens": K} with M one of ' + ", ".join(k.vllm_method for k in drafter_registry.KINDS.values()) + ', "model": DIR for a drafter with files (eagle3, draft_model, mtp), ngram\'s "prompt_lookup_min"/"prompt_lookup_max"; absent: plain decoding'),
+    speculative_config: Optional[str] = typer.Option(None, help='JSON as vLLM\'s: {"method": M, "num_speculative_tokens": K} with M one of ' + ", ".join(dict.fromkeys(k.vllm_method for k in drafter_registry.KINDS.values())) + ', "model": DIR for a drafter with files (eagle3, draft_model, mtp), ngram\'s "prompt_lookup_min"/"prompt_lookup_max", "parallel_drafting": true for a P-EAGLE head; absent: plain decoding'),
     served_model_name: Optional[str] = typer.Option(None, help="the model name requests use [default: the checkpoint directory's name]"),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16"),
     compile: bool = typer.Option(True, help="torch.compile the forward (torch on CUDA); JAX: prefill in a program of its own"),
@@ -549,9 +549,13 @@ train_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train 
 app.add_typer(train_app, name="train")
 
 
+@train_app.command("peagle", help="Train a P-EAGLE head (all drafts in one forward: the EAGLE-3 head trained with "
+                   "mask rows in place of its own outputs) on distilled data, as `train eagle3` does; OUT/head drafts "
+                   "as --drafter peagle=OUT/head, and vLLM runs it as eagle3 with parallel_drafting.")
 @train_app.command("eagle3")
 @user_errors
 def train_eagle3_cmd(
+    ctx: typer.Context,
     data: Optional[Path] = typer.Option(None, help="distilled data (specdec distill): a datasets directory with its manifest.json"),
     out: Optional[Path] = typer.Option(None, help="output directory: checkpoints/, head/ (the exported head), train_log.jsonl"),
     target: Optional[Path] = typer.Option(None, help=TARGET_HELP + " (the one the data was distilled from)"),
@@ -588,7 +592,7 @@ def train_eagle3_cmd(
 
     cfg = TrainConfig.load(
         config, data=data, out=out, target=target, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-        warmup=warmup, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers, offline=offline,
+        warmup=warmup, ttt_steps=ttt_steps, parallel_drafting=ctx.info_name == "peagle", draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers, offline=offline,
         compute_dtype=compute_dtype, seed=seed, eval_rows=eval_rows, eval_every=eval_every, save_every=save_every, keep=keep, log_every=log_every,
         wandb_project=wandb_project, wandb_mode=wandb_mode, devices=devices, coordinator_address=coordinator_address,
         num_processes=num_processes, process_id=process_id,

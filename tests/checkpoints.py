@@ -65,9 +65,9 @@ def _save_tokenizer(backend, directory, config):
     return directory
 
 
-def tiny_eagle3_head(ckpt, out, fingerprint=None, draft_vocab_size=2048, stride=100):
+def tiny_eagle3_head(ckpt, out, fingerprint=None, draft_vocab_size=2048, stride=100, mask_token_id=None):
     """A random EAGLE-3 head for checkpoint `ckpt` (its fingerprint, else the one given) whose draft vocabulary is
-    every `stride`-th target id, `draft_vocab_size` of them."""
+    every `stride`-th target id, `draft_vocab_size` of them; with `mask_token_id`, a P-EAGLE head."""
     import numpy as np
 
     from specdec.drafters.eagle3 import Eagle3Config, random_head, save_head
@@ -76,7 +76,7 @@ def tiny_eagle3_head(ckpt, out, fingerprint=None, draft_vocab_size=2048, stride=
 
     target_cfg = GemmaConfig.from_file(ckpt / "config.json")
     cfg = Eagle3Config.for_target(target_cfg, draft_vocab_size=draft_vocab_size,
-                                  fingerprint=fingerprint or checkpoint_fingerprint(ckpt))
+                                  fingerprint=fingerprint or checkpoint_fingerprint(ckpt), mask_token_id=mask_token_id)
     ids = np.arange(draft_vocab_size)
     head = random_head(cfg, seed=0, d2t=ids * stride - ids)  # d2t: target id - draft id
     return save_head(out, cfg, head.params, head.d2t, head.t2d)

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 import specdec
+from specdec.drafters import registry as drafter_registry
 from specdec.models.random_init import write_random_assistant
 from specdec.serve.app import ModelServer, ServeConfig
 from specdec.serve.bench import scrape_metrics
@@ -29,7 +30,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def setups(random_checkpoints, tmp_path_factory):
-    """method -> (target directory, the drafter's directory): a Gemma 3 target with an EAGLE-3 head and a Gemma 4
+    """kind -> (target directory, the drafter's directory): a Gemma 3 target with an EAGLE-3 head and a Gemma 4
     E drafter; a Gemma 4 E target with its MTP assistant. Each with the character tokenizer and a chat template."""
     root = tmp_path_factory.mktemp("serve-drafters")
 
@@ -41,18 +42,25 @@ def setups(random_checkpoints, tmp_path_factory):
     gemma3, gemma4 = target("gemma3"), target("gemma4_e")
     drafter = write_ascii_tokenizer(shutil.copytree(random_checkpoints["gemma4_e"], root / "drafter"), 512)
     return {"eagle3": (gemma3, tiny_eagle3_head(gemma3, root / "head", draft_vocab_size=256, stride=1)),
-            "draft_model": (gemma3, drafter),
+            "peagle": (gemma3, tiny_eagle3_head(gemma3, root / "phead", draft_vocab_size=256, stride=1, mask_token_id=0)),
+            "model": (gemma3, drafter),
             "mtp": (gemma4, write_random_assistant("gemma4_e", root / "assistant", seed=3))}
 
 
-SPECS = {"eagle3": "eagle3", "draft_model": "model", "mtp": "mtp"}  # vLLM's method -> our --drafter kind
+KINDS = ["eagle3", "peagle", "model", "mtp"]
+
+
+def speculative_config(kind: str, drafter_dir) -> dict:
+    """--speculative-config as vLLM spells it for our drafter kind (e.g. peagle: eagle3 with parallel_drafting)."""
+    entry = drafter_registry.KINDS[kind]
+    return {"method": entry.vllm_method, **dict(entry.vllm_flags), "model": str(drafter_dir), "num_speculative_tokens": K}
 
 
 @pytest.mark.parametrize("engine", ["torch", "jax"])
-@pytest.mark.parametrize("method", list(SPECS))
-def test_served_drafter_answers_as_generate_does(setups, method, engine):
-    target_dir, drafter_dir = setups[method]
-    config = {"method": method, "model": str(drafter_dir), "num_speculative_tokens": K}
+@pytest.mark.parametrize("kind", KINDS)
+def test_served_drafter_answers_as_generate_does(setups, kind, engine):
+    target_dir, drafter_dir = setups[kind]
+    config = speculative_config(kind, drafter_dir)
     server = ModelServer(ServeConfig(target=target_dir, engine=engine, port=0, max_num_seqs=2, max_model_len=128,
                                      speculative=SpeculativeConfig.from_json(json.dumps(config)), compile=False))
     url = server.start()
@@ -70,7 +78,7 @@ def test_served_drafter_answers_as_generate_does(setups, method, engine):
         messages = [{"role": "user", "content": "Say hello."}]
         chat = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
 
-        spec = f"{SPECS[method]}={drafter_dir}"
+        spec = f"{kind}={drafter_dir}"
         loaded = specdec.load(target_dir, engine=engine, k_max=K, hidden_layers=specdec.api.drafter_taps(spec, target_dir))
         expected = [specdec.generate(p, loaded, drafter=spec, k=K, max_new_tokens=MAX_TOKENS)[0][0] for p in PROMPTS]
         assert [r.choices[0].text for r in served] == expected
@@ -102,17 +110,19 @@ def test_served_drafter_answers_as_generate_does(setups, method, engine):
 
 def row_start_program_count(server) -> int | None:
     """Programs the JAX EAGLE-3 head has compiled to start rows (one per prompt bucket: 16, 32, 64 and 128 tokens at
-    this context of 128); None for any other drafter or engine."""
-    start = getattr(server.scheduler.cycle.draft_fn, "_start", None)
-    if start is None:
+    this context of 128, P-EAGLE alike); None for any other drafter or engine."""
+    from specdec.drafters.eagle3_jax import JaxEagle3
+
+    head = server.scheduler.cycle.draft_fn
+    if not isinstance(head, JaxEagle3):
         return None
-    assert start._cache_size() == 4
-    return start._cache_size()
+    assert head._start._cache_size() == 4
+    return head._start._cache_size()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", list(SPECS))
-def test_a_compiled_cuda_server_with_a_drafter_gives_plain_decodings_tokens(setups, method):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_compiled_cuda_server_with_a_drafter_gives_plain_decodings_tokens(setups, kind):
     """What `specdec serve` runs on a GPU: bf16, compiled, each cycle one CUDA graph replay with the drafter's steps
     captured in it. Requests that join and leave a 2-row server get the tokens the same engine gives them decoding
     plainly."""
@@ -121,8 +131,8 @@ def test_a_compiled_cuda_server_with_a_drafter_gives_plain_decodings_tokens(setu
     from specdec.sampling import SamplingParams
     from specdec.serve.scheduler import Scheduler
 
-    target_dir, drafter_dir = setups[method]
-    source = DrafterSource(f"{SPECS[method]}={drafter_dir}", target_dir)
+    target_dir, drafter_dir = setups[kind]
+    source = DrafterSource(f"{kind}={drafter_dir}", target_dir)
     target = specdec.load(target_dir, k_max=K, batch=2, max_seq_len=128, compile=True, hidden_layers=source.taps)
     assert target.engine.use_graphs
     prompts = [target.tokenizer.encode(p) for p in PROMPTS]
@@ -138,7 +148,7 @@ def test_a_compiled_cuda_server_with_a_drafter_gives_plain_decodings_tokens(setu
             scheduler.stop()
 
     plain, _ = served(SpeculativeConfig(), None)
-    drafted, stats = served(SpeculativeConfig(method, K, str(drafter_dir)), source)
+    drafted, stats = served(SpeculativeConfig.from_json(json.dumps(speculative_config(kind, drafter_dir))), source)
     assert drafted == plain and stats.drafted > 0
 
 

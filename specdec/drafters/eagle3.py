@@ -14,6 +14,11 @@ SGLang's loader reads it) is read too. The head:
                        the target ids in it (neither is stored for a full vocabulary)
 The token embedding is the target's (not stored). H must equal the target's hidden size.
 
+A P-EAGLE head (speculators' `peagle`, which vLLM runs as eagle3 with `parallel_drafting`) is the same head trained
+to propose all k drafts in one forward: after the rows it catches up on come k-1 mask rows, each the embedding of
+`mask_token_id` paired with the feature fc(mask_hidden) (mask_hidden [1, 3 Ht]: a learned stand-in for the target's
+three hidden states), and the row at the last real position + j proposes draft j + 1.
+
 Alignment, the same in training and drafting: the head's input at position t pairs the target's feature
 of position t with the token at t+1, and predicts the token at t+2. Drafting further feeds the head its own
 output (before the final norm) in place of the feature, one position on per draft.
@@ -68,6 +73,7 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 131072
     target_fingerprint: str | None = None  # specdec.models.checkpoint.checkpoint_fingerprint of the target
+    mask_token_id: int | None = None  # set: a P-EAGLE head, drafting in parallel (module docstring)
 
     @classmethod
     def for_target(cls, target_cfg, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB, aux_layer_ids=None,
@@ -94,6 +100,13 @@ class Eagle3Config:
             raise SpecdecError(f"draft vocabulary of {self.draft_vocab_size} outside 1..{self.vocab_size}")
         if self.num_heads % self.num_kv_heads:
             raise SpecdecError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise SpecdecError(f"mask_token_id {self.mask_token_id} outside the target vocabulary of {self.vocab_size}")
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the head drafts all its tokens in one forward (P-EAGLE)."""
+        return self.mask_token_id is not None
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -117,6 +130,7 @@ class Eagle3Config:
             "midlayer.mlp.down_proj.weight": (H, I),
             "norm.weight": (H,),
             "lm_head.weight": (self.draft_vocab_size, H),
+            **({"mask_hidden": (1, 3 * H)} if self.parallel else {}),
         }
 
     def to_json(self) -> dict:
@@ -134,11 +148,12 @@ class Eagle3Config:
         }
         greedy = {"proposal_type": "greedy", "speculative_tokens": DEFAULT_DRAFTS, "verifier_accept_k": 1,
                   "accept_tolerance": 0.0}
+        algorithm = "peagle" if self.parallel else "eagle3"
         return {
-            "architectures": ["Eagle3DraftModel"],
-            "speculators_model_type": "eagle3",
+            "architectures": ["PEagleDraftModel" if self.parallel else "Eagle3DraftModel"],
+            "speculators_model_type": algorithm,
             "speculators_version": SPECULATORS_VERSION,
-            "speculators_config": {"algorithm": "eagle3", "proposal_methods": [greedy], "default_proposal_method": "greedy",
+            "speculators_config": {"algorithm": algorithm, "proposal_methods": [greedy], "default_proposal_method": "greedy",
                                    "verifier": {"name_or_path": None, "architectures": []}},
             "transformer_layer_config": layer,
             "draft_vocab_size": self.draft_vocab_size,
@@ -150,6 +165,7 @@ class Eagle3Config:
             "tie_word_embeddings": False,
             "dtype": "float32",
             "specdec": {"target_num_layers": self.target_num_layers, "target_fingerprint": self.target_fingerprint},
+            **({"mask_token_id": self.mask_token_id} if self.parallel else {}),
         }
 
     @classmethod
@@ -185,8 +201,11 @@ class Eagle3Config:
     def from_speculators(cls, raw: dict, source: str) -> "Eagle3Config":
         """A speculators Eagle3SpeculatorConfig, refused in one line where it asks for what this head does not
         compute (another decoder layer, extra norms, its own trained embedding...)."""
-        if raw["speculators_model_type"] != "eagle3":
-            raise SpecdecError(f"{source}: a speculators {raw['speculators_model_type']!r} model; specdec runs eagle3 heads")
+        if raw["speculators_model_type"] not in ("eagle3", "peagle"):
+            raise SpecdecError(f"{source}: a speculators {raw['speculators_model_type']!r} model; specdec runs eagle3 "
+                               "and peagle heads")
+        if raw["speculators_model_type"] == "peagle" and not isinstance(raw.get("mask_token_id"), int):
+            raise SpecdecError(f"{source}: a peagle head needs an integer mask_token_id")
         layer = LLAMA_DEFAULTS | {"model_type": "qwen3"} | (raw.get("transformer_layer_config") or {})  # qwen3: speculators' default
         rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer["rope_theta"]}
         heads = layer["num_attention_heads"]
@@ -215,6 +234,7 @@ class Eagle3Config:
             aux_layer_ids=tuple(aux) if aux else (), target_num_layers=own.get("target_num_layers") or 0,
             rms_norm_eps=layer["rms_norm_eps"], rope_theta=rope.get("rope_theta", layer["rope_theta"]),
             max_position_embeddings=layer["max_position_embeddings"], target_fingerprint=own.get("target_fingerprint"),
+            mask_token_id=raw.get("mask_token_id") if raw["speculators_model_type"] == "peagle" else None,
         )
 
     def check_target(self, target_cfg, fingerprint: str | None, source: str) -> None:

@@ -12,20 +12,25 @@ from specdec.errors import SpecdecError
 
 def open_drafter(path: Path, target_path: Path) -> "Eagle3Source":
     """The registry's entry (specdec.drafters.registry)."""
-    return Eagle3Source(path, target_path)
+    return Eagle3Source(path, target_path, parallel=False)
 
 
 class Eagle3Source:
-    """A head read and checked against its target (specdec.protocol.LoadedDrafter)."""
+    """A head read and checked against its target (specdec.protocol.LoadedDrafter), and against the kind that names
+    it: `parallel`, a P-EAGLE head (specdec.drafters.peagle_drafter), else a chain-drafting one."""
 
     samples_drafts = True
 
-    def __init__(self, path: Path, target_path: Path):
+    def __init__(self, path: Path, target_path: Path, parallel: bool):
         from specdec.models.checkpoint import checkpoint_fingerprint
         from specdec.models.config import GemmaConfig
 
         target_cfg = GemmaConfig.from_file(target_path / "config.json")
         self.head = load_for_target(path, target_cfg, checkpoint_fingerprint(target_path))
+        if self.head.cfg.parallel != parallel:
+            raise SpecdecError(f"{path}: a P-EAGLE head, which drafts in parallel: --drafter peagle={path}"
+                               if self.head.cfg.parallel else
+                               f"{path}: an EAGLE-3 head without a mask token, which drafts in a chain: --drafter eagle3={path}")
         self.taps = self.head.cfg.taps
 
     def build(self, verifier, k: int, sampling) -> "Eagle3Drafter":

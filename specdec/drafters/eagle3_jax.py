@@ -116,14 +116,24 @@ def shifted(x, j: int, fill=0):
 def ttt_logits(params: Params, cfg: Eagle3Config, embed_table, tokens, features, steps: int):
     """The training-time test over whole sequences. tokens [B, N]; features [B, N, H] (fused, `fuse`).
     -> float32 logits [steps, B, N, Vd]: step j at base position t reads the token at t+1+j and predicts
-    the token at t+2+j (rows whose tokens run past N are junk; the loss masks them)."""
+    the token at t+2+j (rows whose tokens run past N are junk; the loss masks them). A P-EAGLE head's steps after
+    the first read mask rows (the mask token, the mask feature) in place of the token and its own last output, as
+    it drafts: step j at base t is its mask row j at position t + j, seeing the real rows up to t and its own
+    mask rows before it."""
     B, N = tokens.shape
     base = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
     causal = (jnp.arange(N)[None, :] <= jnp.arange(N)[:, None])[None, None, None]  # [1, 1, 1, N(t), N(s)]
     hidden = features
     keys, values, all_logits = [], [], []
+    if cfg.parallel:
+        mask_embed = jnp.broadcast_to(embed_table[cfg.mask_token_id].astype(features.dtype), features.shape)
+        mask_feature = jnp.broadcast_to(fuse(params, params["mask_hidden"].reshape(3, -1)).astype(features.dtype),
+                                        features.shape)
     for j in range(steps):
-        embeds = jnp.take(embed_table, shifted(tokens, j + 1), axis=0).astype(features.dtype)
+        if cfg.parallel and j > 0:
+            embeds, hidden = mask_embed, mask_feature
+        else:
+            embeds = jnp.take(embed_table, shifted(tokens, j + 1), axis=0).astype(features.dtype)
         q, k, v, residual = _project(params, cfg, embeds, hidden, base + j)
         keys.append(k)
         values.append(v)
@@ -239,39 +249,55 @@ class JaxEagle3(JaxHostDriven):
 
     def draft(self, target_params, params, state, target_cache=None):
         """-> (draft [B, k] target ids, draft_len [B], draft probs [B, k, V] when sampled else None, state).
-        The target's cache is not read (the head keeps its own)."""
-        from specdec.acceptance.rule_jax import warp_probs
+        The target's cache is not read (the head keeps its own). A P-EAGLE head drafts all k in one forward
+        (eagle3_torch.TorchEagle3._draft_parallel says how)."""
         from specdec.drafters.stateful import next_draft_keys
 
         next_key, step_key = next_draft_keys(state)
-
         embed = target_params["embed_tokens.weight"]
-        B, rows = self.batch, jnp.arange(self.batch)
-        positions = state["start"][:, None] + jnp.arange(self.k + 1, dtype=jnp.int32)
-        cache = {"k": state["k"], "v": state["v"]}
-        out, logits, cache = step(params, self.cfg, jnp.take(embed, state["tokens"], axis=0).astype(self.dtype),
-                                  state["feats"], positions, cache)
+        rows, k = jnp.arange(self.batch), self.k
+        offsets = jnp.arange(k + 1, dtype=jnp.int32)[None]
         last = jnp.maximum(state["count"] - 1, 0)
-        hidden, logits, position = out[rows, last][:, None], logits[rows, last], state["start"] + last
+        cache = {"k": state["k"], "v": state["v"]}
         drafts, probs = [], []
-        for j in range(self.k):
-            if self.sampling.greedy:
-                token = params["draft_ids"][jnp.argmax(logits, axis=-1)]
-            else:  # the request's filters over the target vocabulary, as the target samples
-                draw = step_key(j)
-                full = jnp.full((B, self.cfg.vocab_size), -jnp.inf, jnp.float32).at[:, params["draft_ids"]].set(logits)
-                q = warp_probs(full, self.sampling)
-                token = jax.random.categorical(draw, jnp.log(q), axis=-1).astype(jnp.int32)
-                probs.append(q)
-            drafts.append(token)
-            if j + 1 < self.k:
-                position = position + 1
-                embeds = jnp.take(embed, token[:, None], axis=0).astype(self.dtype)
-                hidden, logits, cache = step(params, self.cfg, embeds, hidden, position[:, None], cache)
-                logits = logits[:, 0]
-        draft_len = jnp.where(state["count"] > 0, self.k, 0).astype(jnp.int32)
+        if self.cfg.parallel:
+            real = state["start"][:, None] + jnp.where(offsets < state["count"][:, None], offsets, offsets + k - 1)
+            masks = (state["start"] + state["count"])[:, None] + jnp.arange(k - 1, dtype=jnp.int32)[None]
+            mask_feature = fuse(params, params["mask_hidden"].reshape(3, -1)).astype(self.dtype)
+            tokens = jnp.concatenate([state["tokens"], jnp.full((self.batch, k - 1), self.cfg.mask_token_id, jnp.int32)], 1)
+            feats = jnp.concatenate([state["feats"], jnp.broadcast_to(mask_feature, (self.batch, k - 1, mask_feature.shape[-1]))], 1)
+            _, logits, cache = step(params, self.cfg, jnp.take(embed, tokens, axis=0).astype(self.dtype), feats,
+                                    jnp.concatenate([real, masks], 1), cache)
+            j = jnp.arange(k)[None]
+            picked = jnp.take_along_axis(logits, jnp.where(j == 0, last[:, None], k + j)[..., None], axis=1)
+            drafts = [self._pick(params, picked[:, i], step_key(i), probs) for i in range(k)]
+        else:
+            out, logits, cache = step(params, self.cfg, jnp.take(embed, state["tokens"], axis=0).astype(self.dtype),
+                                      state["feats"], state["start"][:, None] + offsets, cache)
+            hidden, logits, position = out[rows, last][:, None], logits[rows, last], state["start"] + last
+            for j in range(k):
+                token = self._pick(params, logits, step_key(j), probs)
+                drafts.append(token)
+                if j + 1 < k:
+                    position = position + 1
+                    embeds = jnp.take(embed, token[:, None], axis=0).astype(self.dtype)
+                    hidden, logits, cache = step(params, self.cfg, embeds, hidden, position[:, None], cache)
+                    logits = logits[:, 0]
+        draft_len = jnp.where(state["count"] > 0, k, 0).astype(jnp.int32)
         state = dict(state, **cache, key=next_key)
         return jnp.stack(drafts, axis=1), draft_len, (jnp.stack(probs, axis=1) if probs else None), state
+
+    def _pick(self, params, logits, key, probs: list):
+        """A draft token [B] from draft-vocabulary logits [B, Vd]: the argmax, or a draw (with `key`) under the
+        request's filters over the target vocabulary, as the target samples, its distribution appended to `probs`."""
+        from specdec.acceptance.rule_jax import warp_probs
+
+        if self.sampling.greedy:
+            return params["draft_ids"][jnp.argmax(logits, axis=-1)]
+        full = jnp.full((self.batch, self.cfg.vocab_size), -jnp.inf, jnp.float32).at[:, params["draft_ids"]].set(logits)
+        q = warp_probs(full, self.sampling)
+        probs.append(q)
+        return jax.random.categorical(key, jnp.log(q), axis=-1).astype(jnp.int32)
 
     def observe(self, params, state, hidden, emitted, count, start):
         """After a verify from positions `start` [B] whose first `count` [B] rows were kept: their target hidden

@@ -77,7 +77,8 @@ class TorchEagle3:
     Per row: `start` is the position of the first row to catch up on, `count` how many (0: nothing to draft
     from yet), `feats`/`tokens` their fused target features and the tokens that follow them. A draft first
     runs the head over those rows (writing their keys/values; the last real row's output is the first
-    draft), then chains k-1 single-row steps on its own outputs."""
+    draft), then chains k-1 single-row steps on its own outputs. A P-EAGLE head (cfg.parallel) runs its k-1 mask
+    rows in that same forward instead: one forward a cycle, whatever k."""
 
     def __init__(self, head, embed, device, batch: int, max_seq_len: int, k: int, sampling=None,
                  dtype=torch.float32, compile: bool = False):
@@ -105,6 +106,10 @@ class TorchEagle3:
         self.count = torch.zeros(batch, dtype=torch.long, device=device)
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
         self.generator = None if self.sampling.greedy else torch.Generator(device=device)
+        if head.cfg.parallel:  # the mask rows' inputs, the same every cycle
+            mask_feature = fuse(self.params, self.params["mask_hidden"].view(3, -1))
+            self.mask_feats = mask_feature.expand(batch, k - 1, -1).contiguous()
+            self.mask_tokens = torch.full((batch, k - 1), head.cfg.mask_token_id, dtype=torch.long, device=device)
 
     def state(self) -> list[torch.Tensor]:
         """What a cycle advances (the cache is only written past the context: rolled back like the target's)."""
@@ -146,8 +151,8 @@ class TorchEagle3:
 
     def draft(self):
         """-> (draft [B, k] target ids, draft_len [B], draft probs [B, k, V] when sampled else None)."""
-        from specdec.acceptance.rule_torch import _sample, greedy_token, warp_probs
-
+        if self.cfg.parallel:
+            return self._draft_parallel()
         B = self.batch
         rows = torch.arange(B, device=self.tokens.device)
         offsets = torch.arange(self.k + 1, device=self.tokens.device)
@@ -156,19 +161,45 @@ class TorchEagle3:
         hidden, logits, position = out[rows, last][:, None], logits[rows, last], self.start + last
         drafts, probs = [], []
         for j in range(self.k):
-            if self.generator is None:
-                token = self.draft_ids[greedy_token(logits)]
-            else:  # the request's filters over the target vocabulary, as the target samples
-                full = logits.new_full((B, self.cfg.vocab_size), -torch.inf)
-                full[:, self.draft_ids] = logits
-                q = warp_probs(full, self.sampling)
-                token = _sample(q, self.generator)
-                probs.append(q)
+            token = self._pick(logits, probs)
             drafts.append(token)
             if j + 1 < self.k:
                 position = position + 1
                 hidden, logits = self._step(token[:, None], hidden, position[:, None])
                 logits = logits[:, 0]
+        return self._drafted(drafts, probs)
+
+    def _draft_parallel(self):
+        """P-EAGLE: one forward over the rows to catch up on and k-1 mask rows placed right after each row's last
+        real one; draft j is the output of the row at the last real position + j. A row's unused catch-up rows sit
+        after its mask rows, where nothing reads them (the next cycle's rows overwrite their keys and values)."""
+        k, device = self.k, self.tokens.device
+        offsets = torch.arange(k + 1, device=device)[None]
+        real = self.start[:, None] + torch.where(offsets < self.count[:, None], offsets, offsets + k - 1)
+        masks = (self.start + self.count)[:, None] + torch.arange(k - 1, device=device)[None]
+        _, logits = self._step(torch.cat([self.tokens, self.mask_tokens], 1), torch.cat([self.feats, self.mask_feats], 1),
+                               torch.cat([real, masks], 1))
+        last = (self.count - 1).clamp(min=0)
+        j = torch.arange(k, device=device)[None]
+        rows = torch.where(j == 0, last[:, None], k + j)  # mask row j - 1 is row k + j of the forward
+        logits = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))
+        probs: list[torch.Tensor] = []
+        return self._drafted([self._pick(logits[:, i], probs) for i in range(k)], probs)
+
+    def _pick(self, logits: torch.Tensor, probs: list) -> torch.Tensor:
+        """A draft token [B] from draft-vocabulary logits [B, Vd]: the argmax, or a draw under the request's filters
+        over the target vocabulary (as the target samples), its distribution appended to `probs`."""
+        from specdec.acceptance.rule_torch import _sample, greedy_token, warp_probs
+
+        if self.generator is None:
+            return self.draft_ids[greedy_token(logits)]
+        full = logits.new_full((self.batch, self.cfg.vocab_size), -torch.inf)
+        full[:, self.draft_ids] = logits
+        q = warp_probs(full, self.sampling)
+        probs.append(q)
+        return _sample(q, self.generator)
+
+    def _drafted(self, drafts: list, probs: list):
         draft_len = torch.where(self.count > 0, self.k, 0)
         return torch.stack(drafts, dim=1), draft_len, (torch.stack(probs, dim=1) if probs else None)
 

@@ -30,6 +30,7 @@ class DrafterKind:
     module: str  # where it lives: its open_drafter reads the files
     directory: str | None = None  # what DIR is, for a kind that reads one
     vllm_method: str | None = None  # its method in --speculative-config
+    vllm_flags: tuple[tuple[str, bool], ...] = ()  # keys that tell it from another kind of the same method
     options: tuple[str, ...] = ()  # --speculative-config keys of its own, passed to open_drafter
 
     @property
@@ -46,6 +47,9 @@ KINDS = {kind.name: kind for kind in (
                 "specdec.drafters.ngram", vllm_method="ngram", options=("prompt_lookup_min", "prompt_lookup_max")),
     DrafterKind("eagle3", "EAGLE-3", "an EAGLE-3 head trained for this target", "specdec.drafters.eagle3_drafter",
                 "the head's directory", "eagle3"),
+    DrafterKind("peagle", "P-EAGLE", "an EAGLE-3 head trained to draft all its tokens in one forward",
+                "specdec.drafters.peagle_drafter", "the head's directory", "eagle3",
+                vllm_flags=(("parallel_drafting", True),)),
     DrafterKind("model", "model", "a smaller Gemma of the target's tokenizer", "specdec.drafters.model",
                 "the drafter checkpoint's directory", "draft_model"),
     DrafterKind("mtp", "MTP", "a Gemma 4 MTP assistant", "specdec.drafters.mtp_drafter", "the assistant checkpoint's directory",
@@ -91,12 +95,18 @@ def from_speculative_config(fields: dict) -> tuple[str, int, dict[str, Any]]:
         if set(fields) - {"method"}:
             raise SpecdecError(f"--speculative-config: {sorted(set(fields) - {'method'})} without a method")
         return NONE, 0, {}
-    by_method = {kind.vllm_method: kind for kind in KINDS.values() if kind.vllm_method}
-    kind = by_method.get(method)
-    if kind is None:
+    candidates = [kind for kind in KINDS.values() if kind.vllm_method == method]
+    if not candidates:
+        methods = dict.fromkeys(kind.vllm_method for kind in KINDS.values() if kind.vllm_method)
         raise SpecdecError(f"--speculative-config: unknown method {method!r} (supported: "
-                           f"{', '.join([*by_method, NONE])})")
-    known = {"method", "num_speculative_tokens", *kind.options} | ({"model"} if kind.directory else set())
+                           f"{', '.join([*methods, NONE])})")
+    flags = {name for kind in candidates for name, _ in kind.vllm_flags}  # e.g. eagle3's parallel_drafting
+    asked = {name: fields.get(name, False) for name in flags}
+    kind = next((kind for kind in candidates if asked == {name: dict(kind.vllm_flags).get(name, False) for name in flags}),
+                None)
+    if kind is None:
+        raise SpecdecError(f"--speculative-config: no {method} drafter with {asked}")
+    known = {"method", "num_speculative_tokens", *flags, *kind.options} | ({"model"} if kind.directory else set())
     if unknown := set(fields) - known:
         raise SpecdecError(f"--speculative-config: unknown keys {sorted(unknown)} for method {method!r} "
                            f"(known: {', '.join(sorted(known))})")

@@ -63,7 +63,7 @@ class SpeculativeConfig:
     """How requests are drafted, as vLLM's `--speculative-config` says it: `method` (a drafter kind's
     vllm_method: ngram, eagle3, draft_model, mtp; None or "none": plain decoding, one token a verify), `model`
     (the drafter's directory), `num_speculative_tokens` (k), and the method's own keys (ngram's
-    prompt_lookup_min/max) in `options`."""
+    prompt_lookup_min/max, eagle3's parallel_drafting) in `options`."""
 
     method: str | None = None
     num_speculative_tokens: int = 0
@@ -82,9 +82,10 @@ class SpeculativeConfig:
             raise SpecdecError(f"--speculative-config is not JSON ({e}): {text!r}") from None
         if not isinstance(fields, dict):
             raise SpecdecError(f"--speculative-config must be a JSON object, got {text!r}")
-        _, k, options = drafter_registry.from_speculative_config(fields)  # checks every key
+        _, k, _ = drafter_registry.from_speculative_config(fields)  # checks every key
         if k == 0:
             return cls()
+        options = {name: value for name, value in fields.items() if name not in ("method", "num_speculative_tokens", "model")}
         return cls(fields["method"], k, fields.get("model"), tuple(sorted(options.items())))
 
     @property

@@ -41,6 +41,7 @@ class TrainConfig:
     b2: float = 0.95
     clip: float = 1.0  # global gradient-norm clipping (0: off)
     ttt_steps: int = 7  # training-time-test steps unrolled
+    parallel_drafting: bool = False  # a P-EAGLE head: steps after the first read mask rows (specdec train peagle)
     step_weight_decay: float = 0.8  # step j's loss is weighted step_weight_decay ** j
     draft_vocab_size: int = 32000  # capped at the target's vocabulary
     aux_layer_ids: list[int] | None = None  # vLLM's convention; None: the data's, else 2, L/2, L-3

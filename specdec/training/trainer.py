@@ -125,7 +125,9 @@ def train_eagle3(cfg: TrainConfig, resume: bool = False, stop_after: int | None 
         aux_layer_ids=list(aux), draft_vocab_size=min(cfg.draft_vocab_size, tcfg.vocab_size),
         compute_dtype=cfg.compute_dtype or default_dtype, target_dtype=cfg.target_dtype or default_dtype)
     cfg = resolved
-    head_cfg = Eagle3Config.for_target(tcfg, resolved.draft_vocab_size, aux, fingerprint)
+    # P-EAGLE's mask rows read the target's pad token (any id does: its embedding is frozen, the mask feature learned)
+    head_cfg = Eagle3Config.for_target(tcfg, resolved.draft_vocab_size, aux, fingerprint,
+                                       mask_token_id=tcfg.pad_token_id if cfg.parallel_drafting else None)
 
     # -- devices ----------------------------------------------------------------------------------------
     if jax.process_count() > 1:

@@ -3,6 +3,7 @@ head's cache caught up on each verify's accepted rows) drafts what the head comp
 the whole context drafts, every cycle (host and fused, both engines) emits the plain decode's tokens, and
 heads for another target are refused."""
 
+import dataclasses
 import json
 import shutil
 
@@ -14,7 +15,7 @@ import torch
 
 from specdec.drafters import eagle3_jax as ej
 from specdec.drafters import eagle3_torch as et
-from specdec.drafters.eagle3 import Eagle3Config, load_for_target, load_head, random_head, save_head
+from specdec.drafters.eagle3 import Eagle3Config, Eagle3Head, load_for_target, load_head, random_head, save_head
 from specdec.drafters.eagle3_drafter import Eagle3Drafter
 from specdec.engines.cycle_jax import JaxFusedCycle
 from specdec.engines.cycle_torch import FusedCycle
@@ -132,6 +133,57 @@ def test_incremental_drafts_equal_drafts_from_scratch(model, head, fused):
     assert checked == 8
 
 
+@pytest.fixture(scope="module")
+def parallel_head(head):
+    """The head as a P-EAGLE one: a mask token and a mask feature of its own."""
+    cfg = dataclasses.replace(head.cfg, mask_token_id=0)
+    mask_hidden = np.random.default_rng(8).standard_normal((1, 3 * cfg.hidden_size)).astype(np.float32)
+    return Eagle3Head(cfg, dict(head.params, mask_hidden=mask_hidden), head.d2t, head.t2d)
+
+
+def reference_parallel_drafts(model, head, context: list[int], k: int) -> list[int]:
+    """A P-EAGLE head's k greedy drafts after `context`, from scratch: one forward over every pair and the k-1
+    mask rows after them."""
+    cfg = head.cfg
+    tokens = torch.tensor([context[:-1]])
+    with torch.inference_mode():
+        _, taps = model(tokens, torch.arange(tokens.shape[1])[None], model.allocate_cache(1, K), hidden_layers=cfg.taps)
+        params = {n: torch.as_tensor(a) for n, a in head.params.items()}
+        n = len(context) - 1
+        feats = torch.cat([et.fuse(params, taps)[0], et.fuse(params, params["mask_hidden"].view(3, -1)).expand(k - 1, -1)])
+        ids = torch.tensor(context[1:] + [cfg.mask_token_id] * (k - 1))
+        shape = (1, 64, cfg.num_kv_heads, cfg.head_dim)
+        _, logits = et.step(params, cfg, et.rope_inv_freq(cfg, "cpu"), model.embed_tokens.weight[ids][None], feats[None],
+                            torch.arange(n + k - 1)[None], torch.zeros(shape), torch.zeros(shape))
+    draft_ids = np.arange(cfg.draft_vocab_size) + head.d2t
+    return [int(draft_ids[i]) for i in logits[0, n - 1:].argmax(-1)]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_incremental_p_eagle_drafts_equal_drafts_from_scratch(model, parallel_head, fused):
+    """As the chain's test above, for a P-EAGLE head: the mask rows' keys and values, written past the context each
+    cycle, never reach a later draft."""
+    engine = torch_engine(model, parallel_head, batch=1)
+    cycle = cycles(engine, parallel_head, fused)
+    context = list(PROMPTS[0])
+    cycle.start([context], StopCondition(20))
+    for _ in range(8):
+        result = cycle.step()
+        assert [int(t) for t in result.draft_tokens[0, : result.draft_len[0]]] == \
+            reference_parallel_drafts(model, parallel_head, context, K)
+        context += result.emitted(0)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_greedy_p_eagle_is_plain_decoding(model, parallel_head, random_checkpoints, framework, fused):
+    engine = torch_engine(model, parallel_head) if framework == "torch" else jax_engine(random_checkpoints, parallel_head)
+    plain = run_cycles(HostCycle(engine, None, 0, SamplingParams()), PROMPTS, 0, StopCondition(24)).tokens
+    gen = run_cycles(cycles(engine, parallel_head, fused), PROMPTS, K, StopCondition(24))
+    assert gen.tokens == plain
+    assert gen.stats.drafted == K * gen.stats.cycles
+
+
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_greedy_eagle3_is_plain_decoding(model, head, random_checkpoints, framework, fused):
@@ -198,16 +250,22 @@ def test_sampled_eagle3_reproduces_per_seed(model, head, random_checkpoints, fra
     assert other != runs[0]
 
 
-def test_save_and_load_round_trip(head, tmp_path):
+@pytest.mark.parametrize("parallel", [False, True], ids=["eagle3", "peagle"])
+def test_save_and_load_round_trip(head, parallel_head, tmp_path, parallel):
+    head = parallel_head if parallel else head
     path = save_head(tmp_path / "head", head.cfg, head.params, head.d2t, head.t2d)
     loaded = load_head(path)
     assert loaded.cfg == head.cfg
+    assert loaded.params.keys() == head.params.keys()
     for name, value in head.params.items():
         np.testing.assert_array_equal(loaded.params[name], value)
     np.testing.assert_array_equal(loaded.d2t, head.d2t)
     np.testing.assert_array_equal(loaded.t2d, head.t2d)
     raw = json.loads((path / "config.json").read_text())
-    assert raw["speculators_model_type"] == "eagle3"  # tests/drafters/test_speculators_format.py: the whole format
+    # tests/drafters/test_speculators_format.py: the whole format. P-EAGLE as speculators writes it and vLLM reads it
+    # (its `peagle` speculator: mask_token_id, and the mask_hidden weight of the three tapped states).
+    assert raw["speculators_model_type"] == ("peagle" if parallel else "eagle3")
+    assert raw.get("mask_token_id") == head.cfg.mask_token_id
     assert raw["eagle_aux_hidden_state_layer_ids"] == list(head.cfg.aux_layer_ids)
 
 
@@ -291,6 +349,20 @@ def test_sampling_gate_passes_sampled_eagle3_drafts(model, aligned_head, random_
 
     cycle = gate_cycle(framework, model, aligned_head, random_checkpoints)
     result = gates.gate_sampled_speculation(cycle, gate_prompt, GATE_K, GATE_SAMPLING, f"{framework}/eagle3")
+    assert result.passed, result.detail
+    assert 0.05 < result.detail["acceptance"] < 0.95
+
+
+def test_sampling_gate_passes_sampled_p_eagle_drafts(model, aligned_head, random_checkpoints, gate_prompt):
+    """A P-EAGLE head's drafts, each drawn from its own position's distribution in one forward, keep the target's
+    distribution too (JAX, fused)."""
+    from specdec import gates
+
+    cfg = dataclasses.replace(aligned_head.cfg, mask_token_id=0)
+    mask_hidden = np.random.default_rng(9).standard_normal((1, 3 * cfg.hidden_size)).astype(np.float32)
+    head = Eagle3Head(cfg, dict(aligned_head.params, mask_hidden=mask_hidden), aligned_head.d2t, aligned_head.t2d)
+    cycle = gate_cycle("jax", model, head, random_checkpoints)
+    result = gates.gate_sampled_speculation(cycle, gate_prompt, GATE_K, GATE_SAMPLING, "jax/peagle")
     assert result.passed, result.detail
     assert 0.05 < result.detail["acceptance"] < 0.95
 

@@ -62,3 +62,44 @@ def test_ttt_step_reads_the_token_after_next():
         other[0, changed] = (other[0, changed] + 1) % cfg.vocab_size
         logits = np.asarray(ttt_logits(params, cfg, embed, jnp.asarray(other), features, 1))[0, 0]
         assert (not np.allclose(logits[t], base[t])) == affects
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_p_eagle_heads_drafts_are_its_training_steps(k):
+    """P-EAGLE: what training scores at step j of base t (the real rows up to t, then mask rows) is what drafting
+    proposes as draft j after a prompt ending at t + 1, in one forward, on either engine's device state: the
+    sampled drafts' distributions are the training step's softmax."""
+    import torch
+
+    from specdec.drafters.eagle3_jax import JaxEagle3
+    from specdec.drafters.eagle3_torch import TorchEagle3
+    from specdec.sampling import SamplingParams
+
+    cfg = tiny_config(mask_token_id=7)
+    head = random_head(cfg, seed=3)
+    head.params = {n: (a * 5 if n.endswith("proj.weight") else a) for n, a in head.params.items()}  # sharper
+    params = {n: jnp.asarray(a) for n, a in head.params.items()}
+    rng = np.random.default_rng(2)
+    N = 10
+    prompt = rng.integers(0, cfg.vocab_size, N).tolist()
+    taps = rng.standard_normal((N - 1, 3, cfg.hidden_size)).astype(np.float32)  # the target's, at positions 0..N-2
+    embed = rng.standard_normal((cfg.vocab_size, cfg.hidden_size)).astype(np.float32)
+
+    features = jnp.concatenate([ej.fuse(params, jnp.asarray(taps)), jnp.zeros((1, cfg.hidden_size))])[None]
+    ttt = ttt_logits(params, cfg, jnp.asarray(embed), jnp.asarray([prompt], jnp.int32), features, k)
+    expected = np.asarray(jax.nn.softmax(ttt[:, 0, N - 2], axis=-1))  # draft j: step j at the last committed position
+    sampling = SamplingParams(temperature=1.0, seed=0)  # no filters: the draft distribution is the head's softmax
+
+    jax_state = JaxEagle3(head, batch=1, max_seq_len=64, k=k, sampling=sampling)
+    target = {"embed_tokens.weight": jnp.asarray(embed)}
+    state = jax_state.begin_rows(target, jax_state.init_state(), {0: prompt}, {0: taps})
+    _, draft_len, probs, _ = jax_state.draft(target, jax_state.params, state)
+    np.testing.assert_allclose(np.asarray(probs)[0], expected, rtol=1e-4, atol=1e-6)
+    assert int(draft_len[0]) == k
+
+    table = torch.from_numpy(embed)
+    torch_state = TorchEagle3(head, lambda ids: table[ids], "cpu", batch=1, max_seq_len=64, k=k, sampling=sampling)
+    torch_state.begin_row(0, prompt, torch.from_numpy(taps))
+    with torch.inference_mode():
+        _, _, probs = torch_state.draft()
+    np.testing.assert_allclose(probs[0].numpy(), expected, rtol=1e-4, atol=1e-6)

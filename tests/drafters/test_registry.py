@@ -11,7 +11,7 @@ from specdec.errors import SpecdecError
 
 
 def test_every_kind_is_in_the_help_and_the_specs():
-    assert registry.specs() == ["ngram", "none", "eagle3=DIR", "model=DIR", "mtp=DIR"]
+    assert registry.specs() == ["ngram", "none", "eagle3=DIR", "peagle=DIR", "model=DIR", "mtp=DIR"]
     help_text = registry.help_text()
     for kind in registry.KINDS.values():
         assert kind.spec in help_text and kind.summary in help_text
@@ -32,6 +32,16 @@ def test_specs_parse_or_fail_with_one_line(tmp_path):
 def test_vllm_methods_name_our_kinds(method, kind, tmp_path):
     config = {"method": method, "model": str(tmp_path), "num_speculative_tokens": 5}
     assert from_speculative_config(config) == (f"{kind}={tmp_path}", 5, {})
+
+
+@pytest.mark.parametrize("flag, kind", [(None, "eagle3"), (False, "eagle3"), (True, "peagle")])
+def test_parallel_drafting_tells_p_eagle_from_eagle3_as_vllm_does(flag, kind, tmp_path):
+    config = {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 5}
+    if flag is not None:
+        config["parallel_drafting"] = flag
+    assert from_speculative_config(config) == (f"{kind}={tmp_path}", 5, {})
+    with pytest.raises(SpecdecError, match="unknown keys \\['parallel_drafting'\\] for method 'ngram'"):
+        from_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "parallel_drafting": True})
 
 
 def test_ngram_options_and_plain_decoding():

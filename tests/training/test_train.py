@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from specdec.cli import app
 from specdec.drafters.eagle3 import default_aux_layer_ids, draft_to_target, load_head
+from specdec.errors import SpecdecError
 from specdec.models import gemma_jax
 from specdec.models.checkpoint import checkpoint_fingerprint
 from specdec.training import eagle3 as train
@@ -103,6 +104,29 @@ def test_training_lowers_the_loss_and_raises_accuracy(trained, target, online_da
     loss1, acc1 = eval_metrics(head.params, head.cfg, target, data, head.d2t, head.t2d)
     assert loss1 < loss0 - 0.5, (loss0, loss1)
     assert acc1 > acc0 + 0.4, (acc0, acc1)
+
+
+def test_train_peagle_learns_a_head_that_drafts_in_parallel(target, online_data, tmp_path):
+    """`specdec train peagle`: the same run trains a P-EAGLE head (its mask feature learned with the rest), which then
+    loses less than its initialisation, with mask rows in place of its own outputs, and drafts as --drafter peagle."""
+    from specdec.drafters.registry import DrafterSource
+
+    config = tmp_path / "run.yaml"
+    config.write_text(base_config(online_data, tmp_path / "out", target).to_yaml())
+    code, _, err = run("train", "peagle", "--config", config)
+    assert code == 0, err
+    head = load_head(tmp_path / "out" / "head")
+    assert head.cfg.parallel and head.cfg.mask_token_id == 0  # the target's pad token
+    ckpt = read_checkpoint(tmp_path / "out")
+    untrained = train.init_head_params(ckpt.head_cfg, seed=0)
+    assert not np.allclose(head.params["mask_hidden"], untrained["mask_hidden"])
+    data = TrainData(online_data)
+    loss0, _ = eval_metrics(untrained, ckpt.head_cfg, target, data, ckpt.d2t, ckpt.t2d)
+    loss1, _ = eval_metrics(head.params, head.cfg, target, data, head.d2t, head.t2d)
+    assert loss1 < loss0 - 0.5, (loss0, loss1)
+    assert DrafterSource(f"peagle={tmp_path / 'out' / 'head'}", target).taps == head.cfg.taps
+    with pytest.raises(SpecdecError, match="peagle="):
+        DrafterSource(f"eagle3={tmp_path / 'out' / 'head'}", target).taps
 
 
 def test_held_out_rows_are_evaluated(trained, target, online_data):
