@@ -504,7 +504,7 @@ def _vllm_decoder(job: dict):
         speculative, backend = None, {}
         if method.k:  # --speculative-config as vLLM spells it (the registry's vllm_method)
             kind, path = parse_spec(method.drafter)
-            speculative = {"method": kind.vllm_method, "num_speculative_tokens": method.k} | (
+            speculative = {"method": kind.vllm_method, **dict(kind.vllm_flags), "num_speculative_tokens": method.k} | (
                 {"model": str(path)} if path else {"prompt_lookup_min": 1, "prompt_lookup_max": 3})
             if kind.vllm_method == "eagle3":
                 backend = {"model_impl": "transformers"}
@@ -553,7 +553,7 @@ PEERS = {
     "llama.cpp": Peer("llama.cpp", "llama-cpp-python", "llama_cpp", "pip install 'specdec[peers]'", _llama_cpp_decoder,
                       lambda ours: (PROMPT_LOOKUP,), _gguf_weights),
     "vllm": Peer("vLLM", "vllm", "vllm", "pip install vllm, on a CUDA machine", _vllm_decoder,
-                 lambda ours: ("ngram",) + tuple(spec for spec in ours if spec.startswith("eagle3=")),
+                 lambda ours: ("ngram",) + tuple(spec for spec in ours if spec.startswith(("eagle3=", "peagle="))),
                  lambda job: job["dtype"]),
 }
 
