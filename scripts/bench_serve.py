@@ -8,7 +8,7 @@
 Each client sends --requests-per-client streamed completions one after another, prompts taken in turn from
 --prompts (default: scripts/prompts/identical_greedy.jsonl). Prints a table and writes JSON (device, date,
 commit, one row per concurrency: req/s, tok/s, median time to first token and latency, the server's tau).
-The logic lives in specdec.serve.bench.
+The logic lives in specdec.bench.serve_load.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rich.console import Console
 from specdec.data.sources import read_prompts
 from specdec.models.gguf_import import default_checkpoint
 from specdec.models.tokenizer import Tokenizer
-from specdec.serve.bench import LoadSettings, plot_load, print_table, run_load, run_load_apart
+from specdec.bench.serve_load import LoadSettings, plot_load, print_table, run_load, run_load_apart
 
 DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "identical_greedy.jsonl"
 

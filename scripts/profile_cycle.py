@@ -31,7 +31,7 @@ from specdec.evidence import git_commit, now_utc
 from specdec.generate import StopCondition
 from specdec.models.config import GemmaConfig, decode_width
 from specdec.models.gemma_torch import GemmaModel
-from specdec.roofline import median_seconds
+from specdec.bench.roofline import median_seconds
 from specdec.sampling import SamplingParams
 
 

@@ -28,7 +28,7 @@ def rank_main(rank: int, world: int, port: str, layers: int, parts: int | None, 
 
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    from specdec import roofline
+    from specdec.bench import roofline
     from specdec.api import leave_distributed
     from specdec.engines.verifier_torch import TorchEngine
     from specdec.models import gemma_torch

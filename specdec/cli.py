@@ -363,7 +363,7 @@ def bench(
     ours differs from plain decoding."""
     import json
 
-    from specdec import bench as benchmark
+    from specdec.bench import decode as benchmark
 
     settings = benchmark.BenchSettings(
         target=target, engines=tuple(benchmark.parse_list(engines, "--engines")), ks=benchmark.parse_ks(k),
@@ -401,7 +401,7 @@ def roofline(ctx: typer.Context):
     """Plain decoding against the memory roofline at the 270M, E4B and 31B shapes (random weights), both
     engines: step time, fraction of roofline, verify cost against T, tensor parallel; JSON and PNG. Options:
     specdec roofline --help."""
-    from specdec import roofline as harness
+    from specdec.bench import roofline as harness
 
     harness.main(ctx.args)
 

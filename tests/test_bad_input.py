@@ -254,7 +254,7 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['rol
 
 
 def test_validate_and_bench_read_every_layout_distill_reads(ckpt, tmp_path):
-    from specdec.bench import BenchSettings, load_prompts
+    from specdec.bench.decode import BenchSettings, load_prompts
     from specdec.data.sources import read_prompts
     from specdec.models.tokenizer import Tokenizer
 

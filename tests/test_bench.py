@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 import specdec
-from specdec.bench import (WARMUP_TOKENS, BenchSettings, Method, _runs_in_child, bench_job, engine_runs,
+from specdec.bench.decode import (WARMUP_TOKENS, BenchSettings, Method, _runs_in_child, bench_job, engine_runs,
                            load_prompts)
 from specdec.cli import app
 from specdec.generate import Generation, SpecStats
@@ -295,7 +295,7 @@ def test_vllm_runs_plain_its_ngram_and_each_eagle3_head(ckpt, prompts_file, tmp_
 
     stand_in_module(monkeypatch, "vllm", LLM=LLM, SamplingParams=dict)
     stand_in_module(monkeypatch, "vllm.inputs", TokensPrompt=dict)
-    monkeypatch.setattr("specdec.bench._versions", lambda engines: {})
+    monkeypatch.setattr("specdec.bench.decode._versions", lambda engines: {})
     out = tmp_path / "bench.json"
     code, _, stderr = run("--target", ckpt, "--prompts", prompts_file, "--engines", "torch", "--peer", "vllm",
                           "--drafter", "ngram", "--drafter", f"eagle3={head}", "--k", "2,3", "--max-new-tokens", "5",

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Flags the docs show ahead of the code that will take them: (subcommand path) -> flags. An entry can go once the
 # CLI has the flag; until then the pages may show it.
 # Subcommands that hand their arguments to a parser of their own: subcommand -> module whose main(argv) builds it.
-FORWARDED = {"roofline": "specdec.roofline"}
+FORWARDED = {"roofline": "specdec.bench.roofline"}
 NOT_SHELL = {"python", "py", "json", "yaml", "yml", "toml", "jinja"}  # fenced blocks whose lines are not commands
 
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[^\n]*$", re.M | re.S)

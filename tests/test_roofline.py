@@ -7,7 +7,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from specdec import roofline as roofline_module
+from specdec.bench import roofline as roofline_module
 from specdec.models.config import GemmaConfig
 
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from specdec.serve.app import ModelServer, ServeConfig
-from specdec.serve.bench import LoadSettings, run_load_apart, scrape_metrics as metrics
+from specdec.bench.serve_load import LoadSettings, run_load_apart, scrape_metrics as metrics
 from specdec.serve.scheduler import JAX_CYCLES_PER_CALL, SpeculativeConfig
 from tests.checkpoints import with_real_tokenizer
 

@@ -17,7 +17,7 @@ import specdec
 from specdec.drafters import registry as drafter_registry
 from specdec.models.random_init import write_random_assistant
 from specdec.serve.app import ModelServer, ServeConfig
-from specdec.serve.bench import scrape_metrics
+from specdec.bench.serve_load import scrape_metrics
 from specdec.serve.scheduler import SpeculativeConfig
 from tests.checkpoints import tiny_eagle3_head, write_ascii_tokenizer
 

@@ -128,7 +128,7 @@ def test_norms_over_the_hidden_size_compile_to_one_pass():
     from specdec.engines.verifier_torch import compiled
     from specdec.models.config import GemmaConfig
     from specdec.models.gemma_torch import rms_norm
-    from specdec.roofline import GEMMA4_31B
+    from specdec.bench.roofline import GEMMA4_31B
 
     cfg = GemmaConfig.from_dict(GEMMA4_31B)
     x = torch.randn(16, 5376, device="cuda", dtype=torch.bfloat16)

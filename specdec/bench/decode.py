@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
+from specdec.bench import first_difference
 from specdec.errors import SpecdecError
 from specdec.generate import SpecStats
 
@@ -310,58 +311,43 @@ def engine_runs(engine: str, job: dict, step, advance) -> dict[Method, list[Run]
     return runs
 
 
-CHILD_LINE = "specdec-bench "  # how a child's progress and results lines start on its stdout
-
-
 def _runs_in_child(engine: str, job: dict, step, advance) -> dict[Method, list[Run]]:
-    """engine_runs in a process of its own, so that no engine runs beside another's memory, threads and compiled
-    programs: JAX's cycle on the 270M took 0.700 ms after torch's runs in one process, against 0.603-0.610 alone on
-    another H200 (docs/journal). The child reports its progress and results as lines on its stdout; its other
-    output goes to stderr, as its errors do."""
+    """engine_runs in a process of its own (specdec.bench.child says why), its progress shown here as it comes."""
     import json
-    import subprocess
     import sys
     import tempfile
+
+    from specdec.bench.child import run_child
+
+    def progress(message: dict) -> None:
+        step(message["step"]) if "step" in message else advance()
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as spec:
         json.dump({"engine": engine, **job}, spec)
     try:
-        child = subprocess.Popen([sys.executable, "-m", "specdec.bench", spec.name], stdout=subprocess.PIPE, text=True)
-        runs = None
-        for line in child.stdout:
-            if not line.startswith(CHILD_LINE):
-                sys.stderr.write(line)
-                continue
-            message = json.loads(line[len(CHILD_LINE):])
-            if "step" in message:
-                step(message["step"])
-            elif "advance" in message:
-                advance()
-            else:
-                runs = message["runs"]
-        if child.wait() != 0 or runs is None:
-            raise SpecdecError(f"bench: the {engine} runs' process failed (exit {child.returncode}; its error is above)")
+        status, runs = run_child([sys.executable, "-m", "specdec.bench.decode", spec.name], on_message=progress)
     finally:
         os.unlink(spec.name)
+    if status != 0 or runs is None:
+        raise SpecdecError(f"bench: the {engine} runs' process failed (exit {status}; its error is above)")
     return {Method(*entry["method"]): [Run(r["tokens"], r["seconds"], None if r["stats"] is None
                                            else SpecStats(**r["stats"])) for r in entry["runs"]] for entry in runs}
 
 
 def _child(spec_path: str) -> None:
-    """The child process of _runs_in_child: engine_runs of the spec's engine, progress and results on stdout."""
+    """The child process of _runs_in_child: engine_runs of the spec's engine, its progress and runs said as
+    specdec.bench.child's messages."""
     import json
     import sys
 
+    from specdec.bench.child import say
+
     job = json.loads(Path(spec_path).read_text())
-
-    def say(message: dict) -> None:
-        print(CHILD_LINE + json.dumps(message), flush=True)
-
     try:
         runs = engine_runs(job["engine"], job, lambda message: say({"step": message}), lambda: say({"advance": 1}))
     except SpecdecError as e:
         sys.exit(f"error: {e}")
-    say({"runs": [{"method": [m.engine, m.k, m.drafter], "runs": [asdict(r) for r in rs]} for m, rs in runs.items()]})
+    say({"result": [{"method": [m.engine, m.k, m.drafter], "runs": [asdict(r) for r in rs]} for m, rs in runs.items()]})
 
 
 def _our_decoder(path: Path, engine: str, dtype: str, k_max: int, context: int, invariant: bool, compile: bool,
@@ -563,13 +549,6 @@ def engine_weights(engine: str, job: dict) -> str:
     if engine in PEERS:
         return PEERS[engine].weights(job)
     return job["dtype"] + (", FP8 linears" if job["settings"]["fp8"] else "")
-
-
-def first_difference(reference: list[int], tokens: list[int]) -> int | None:
-    """The index of the first token where two outputs differ (a length difference counts), None if equal."""
-    if tokens == reference:
-        return None
-    return next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference), len(tokens)))
 
 
 def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: BenchSettings,

@@ -58,13 +58,17 @@ def run_load(settings: LoadSettings, log=print) -> dict:
 
 
 def run_load_apart(settings: LoadSettings) -> dict:
-    """run_load in a process of its own. Beside a server in this process, the clients' threads (streaming,
-    JSON) would hold the server's GIL for their share of the time and slow it down."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    """run_load in a process of its own (specdec.bench.child). Beside a server in this process, the clients' threads
+    (streaming, JSON) would hold the server's GIL for their share of the time and slow it down."""
+    import json
+    import sys
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run_load, settings).result()
+    from specdec.bench.child import run_child
+
+    status, record = run_child([sys.executable, "-m", "specdec.bench.serve_load", json.dumps(asdict(settings))])
+    if status != 0 or record is None:
+        raise RuntimeError(f"the load's clients failed (exit {status}; their error is above)")
+    return record
 
 
 def _run_level(client, model: str, settings: LoadSettings, concurrency: int) -> dict:
@@ -162,3 +166,14 @@ def plot_load(records: list[dict], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":  # run_load_apart's child
+    import json
+    import sys
+
+    from specdec.bench.child import say
+
+    fields = json.loads(sys.argv[1])
+    say({"result": run_load(LoadSettings(**{**fields, "concurrencies": tuple(fields["concurrencies"])}),
+                            log=lambda line: print(line, file=sys.stderr, flush=True))})

@@ -37,12 +37,13 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specdec.bench import first_difference
+from specdec.bench.child import run_child, say
 from specdec.protocol import DEFAULT_DRAFTS
 
 CONTEXT = 1024  # cache positions by default (--context): a 128-token prompt and the decoded tokens fit
@@ -363,7 +364,7 @@ def child_command(engine: str, name: str, tp: int, args) -> tuple[list[str], dic
         from specdec.models.config import with_parts_xla_flags
 
         env["XLA_FLAGS"] = with_parts_xla_flags(env.get("XLA_FLAGS", ""))
-    command = launcher + ["specdec.roofline", "--child", f"{engine}:{name}:{tp}", "--steps", str(args.steps),
+    command = launcher + ["specdec.bench.roofline", "--child", f"{engine}:{name}:{tp}", "--steps", str(args.steps),
                           "--tokens", str(args.tokens), "--context", str(args.context),
                           "--k-max", str(args.k_max)]
     command += ["--tiny"] * args.tiny + ["--no-torch-compile"] * (not args.torch_compile)
@@ -384,12 +385,12 @@ def run_all(args) -> tuple[dict, list[str]]:
         for engine in args.engines.split(","):
             for tp in map(int, args.tensor_parallel.split(",")):
                 command, env = child_command(engine, name, tp, args)
-                done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
-                if done.returncode != 0:
+                status, row = run_child(command, env)
+                if status != 0 or row is None:
                     failed.append(f"{engine} {name} on {tp} device(s)")
-                    log(f"{failed[-1]}: failed (exit {done.returncode})")
+                    log(f"{failed[-1]}: failed (exit {status})")
                     continue
-                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                rows.append(row)
                 args.out.write_text(json.dumps(summarise(rows, args.steps, args.context, args.k_max), indent=1))
     return summarise(rows, args.steps, args.context, args.k_max), failed
 
@@ -423,11 +424,6 @@ def row_commits(record: dict) -> set[str]:
     return {r.get("commit", record["commit"]) for r in record["rows"]}
 
 
-def first_difference(tokens: list[int], reference: list[int]) -> str:
-    index = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
-    return "yes" if index is None and len(tokens) == len(reference) else f"from {index if index is not None else min(len(tokens), len(reference))}"
-
-
 def table(record: dict) -> str:
     """Per row: its tensor-parallel parts, the fraction of roofline, JAX's step over torch's (same model and
     devices, no parts), the speed-up over the same engine and parts on one device, whether its greedy tokens are
@@ -449,7 +445,8 @@ def table(record: dict) -> str:
         single = by_key.get((model, engine, 1, parts))
         speedup = single["step_s"] / r["step_s"] if single and tp > 1 else math.nan
         compared = single is not None and tp > 1
-        same = first_difference(r["tokens"], single["tokens"]) if compared and "tokens" in r else ""
+        index = first_difference(single["tokens"], r["tokens"]) if compared and "tokens" in r else None
+        same = "" if not compared or "tokens" not in r else "yes" if index is None else f"from {index}"
         bits = "" if not compared or "logits_digest" not in r else (
             "yes" if r["logits_digest"] == single.get("logits_digest") else "no")
         roof, frac = r["roofline_tok_s"], r["fraction_of_roofline"]
@@ -552,8 +549,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         engine, name, tp = args.child.split(":")
         result = child(engine, name, int(tp), args)
-        if result is not None:
-            print(json.dumps(result))
+        if result is not None:  # a torchrun group's first rank
+            say({"result": result})
         if engine == "torch" and int(tp) > 1:
             from specdec.api import leave_distributed
 
