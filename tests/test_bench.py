@@ -77,20 +77,22 @@ def test_both_engines_and_the_peer(ckpt, prompts_file, tmp_path):
 
 
 def test_every_drafter_given_runs_at_each_k(ckpt, prompts_file, tmp_path):
-    """n-gram, an EAGLE-3 head and a model drafter (the target drafting for itself) in one run, each against the
-    same plain decode."""
+    """n-gram, an EAGLE-3 head, a P-EAGLE head and a model drafter (the target drafting for itself) in one run, each
+    against the same plain decode."""
     head = tiny_eagle3_head(ckpt, tmp_path / "head")
+    parallel = tiny_eagle3_head(ckpt, tmp_path / "phead", mask_token_id=0)
     out = tmp_path / "bench.json"
     code, stdout, stderr = run("--target", ckpt, "--prompts", prompts_file, "--engines", "torch", "--no-peer",
                                "--k", "2", "--max-new-tokens", "8", "--drafter", "ngram", "--drafter", f"eagle3={head}",
-                               "--drafter", f"model={ckpt}", "--out", out)
+                               "--drafter", f"peagle={parallel}", "--drafter", f"model={ckpt}", "--out", out)
     assert code == 0, stderr
     record = json.loads(out.read_text())
     methods = {m["method"]: m for m in record["methods"]}
-    assert list(methods) == ["torch plain", "torch n-gram K=2", "torch EAGLE-3 head K=2", "torch model ckpt K=2"]
+    assert list(methods) == ["torch plain", "torch n-gram K=2", "torch EAGLE-3 head K=2", "torch P-EAGLE phead K=2",
+                             "torch model ckpt K=2"]
     assert record["identical"] is True and all(m["identical"] for m in methods.values() if m["k"])
     assert methods["torch model ckpt K=2"]["tau"] > 2  # the target's own drafts: all but a budget's cut accepted
-    assert record["settings"]["drafters"] == ["ngram", f"eagle3={head}", f"model={ckpt}"]
+    assert record["settings"]["drafters"] == ["ngram", f"eagle3={head}", f"peagle={parallel}", f"model={ckpt}"]
     for png in (out.with_suffix(".png"), tmp_path / "bench-acceptance.png", tmp_path / "bench-cost.png"):
         assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
