@@ -44,10 +44,11 @@ def setups(random_checkpoints, tmp_path_factory):
     return {"eagle3": (gemma3, tiny_eagle3_head(gemma3, root / "head", draft_vocab_size=256, stride=1)),
             "peagle": (gemma3, tiny_eagle3_head(gemma3, root / "phead", draft_vocab_size=256, stride=1, mask_token_id=0)),
             "model": (gemma3, drafter),
-            "mtp": (gemma4, write_random_assistant("gemma4_e", root / "assistant", seed=3))}
+            "mtp": (gemma4, write_random_assistant("gemma4_e", root / "assistant", seed=3)),
+            "ngram+peagle": (gemma3, root / "phead")}
 
 
-KINDS = ["eagle3", "peagle", "model", "mtp"]
+KINDS = ["eagle3", "peagle", "model", "mtp", "ngram+peagle"]
 
 
 def speculative_config(kind: str, drafter_dir) -> dict:

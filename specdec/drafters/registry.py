@@ -32,6 +32,7 @@ class DrafterKind:
     vllm_method: str | None = None  # its method in --speculative-config
     vllm_flags: tuple[tuple[str, bool], ...] = ()  # keys that tell it from another kind of the same method
     options: tuple[str, ...] = ()  # --speculative-config keys of its own, passed to open_drafter
+    wraps: str | None = None  # a composite kind: the kind whose drafter its module's open_drafter takes, loaded
 
     @property
     def spec(self) -> str:
@@ -39,10 +40,13 @@ class DrafterKind:
 
     def open(self, path: Path | None, target_path: Path | None, options: dict[str, Any]):
         """The kind's files read and checked against the target: a specdec.protocol.LoadedDrafter."""
-        return importlib.import_module(self.module).open_drafter(path, target_path, **options)
+        module = importlib.import_module(self.module)
+        if self.wraps:
+            return module.open_drafter(KINDS[self.wraps].open(path, target_path, {}), **options)
+        return module.open_drafter(path, target_path, **options)
 
 
-KINDS = {kind.name: kind for kind in (
+_KINDS = (
     DrafterKind("ngram", "n-gram", "prompt lookup in the text so far",
                 "specdec.drafters.ngram", vllm_method="ngram", options=("prompt_lookup_min", "prompt_lookup_max")),
     DrafterKind("eagle3", "EAGLE-3", "an EAGLE-3 head trained for this target", "specdec.drafters.eagle3_drafter",
@@ -54,7 +58,14 @@ KINDS = {kind.name: kind for kind in (
                 "the drafter checkpoint's directory", "draft_model"),
     DrafterKind("mtp", "MTP", "a Gemma 4 MTP assistant", "specdec.drafters.mtp_drafter", "the assistant checkpoint's directory",
                 "mtp"),
-)}
+)
+# n-gram lookup first, each drafter with files where lookup finds nothing (specdec.drafters.hybrid)
+HYBRIDS = tuple(DrafterKind(f"ngram+{kind.name}", f"n-gram + {kind.label}", f"n-gram lookup where it finds a "
+                            f"continuation, else {kind.spec.split('=')[0]}'s drafts", "specdec.drafters.hybrid",
+                            kind.directory, kind.vllm_method, kind.vllm_flags + (("ngram_first", True),),
+                            ("prompt_lookup_min", "prompt_lookup_max"), wraps=kind.name)
+                for kind in _KINDS if kind.directory)
+KINDS = {kind.name: kind for kind in _KINDS + HYBRIDS}
 
 
 def specs() -> list[str]:
@@ -63,8 +74,9 @@ def specs() -> list[str]:
 
 
 def help_text(plain: bool = True) -> str:
-    """The --drafter option's help: each spec and what it drafts with."""
-    parts = [f"{kind.spec} ({kind.summary})" for kind in KINDS.values()]
+    """The --drafter option's help: each spec and what it drafts with (the composites in one entry)."""
+    parts = [f"{kind.spec} ({kind.summary})" for kind in KINDS.values() if not kind.wraps]
+    parts.append("ngram+KIND=DIR (n-gram lookup where it finds a continuation, else KIND's drafts)")
     return " | ".join(parts[:1] + ([f"{NONE} (plain decoding)"] if plain else []) + parts[1:])
 
 

@@ -11,10 +11,14 @@ from specdec.errors import SpecdecError
 
 
 def test_every_kind_is_in_the_help_and_the_specs():
-    assert registry.specs() == ["ngram", "none", "eagle3=DIR", "peagle=DIR", "model=DIR", "mtp=DIR"]
+    assert registry.specs() == ["ngram", "none", "eagle3=DIR", "peagle=DIR", "model=DIR", "mtp=DIR", "ngram+eagle3=DIR",
+                                "ngram+peagle=DIR", "ngram+model=DIR", "ngram+mtp=DIR"]
     help_text = registry.help_text()
     for kind in registry.KINDS.values():
-        assert kind.spec in help_text and kind.summary in help_text
+        if kind.wraps:  # the composites in one entry
+            assert kind.wraps in registry.KINDS and "ngram+KIND=DIR" in help_text
+        else:
+            assert kind.spec in help_text and kind.summary in help_text
     assert "none" not in registry.help_text(plain=False)
 
 
@@ -34,12 +38,16 @@ def test_vllm_methods_name_our_kinds(method, kind, tmp_path):
     assert from_speculative_config(config) == (f"{kind}={tmp_path}", 5, {})
 
 
-@pytest.mark.parametrize("flag, kind", [(None, "eagle3"), (False, "eagle3"), (True, "peagle")])
-def test_parallel_drafting_tells_p_eagle_from_eagle3_as_vllm_does(flag, kind, tmp_path):
-    config = {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 5}
-    if flag is not None:
-        config["parallel_drafting"] = flag
+@pytest.mark.parametrize("flags, kind", [({}, "eagle3"), ({"parallel_drafting": False}, "eagle3"),
+                                         ({"parallel_drafting": True}, "peagle"), ({"ngram_first": True}, "ngram+eagle3"),
+                                         ({"parallel_drafting": True, "ngram_first": True}, "ngram+peagle")])
+def test_parallel_drafting_and_ngram_first_pick_the_kind(flags, kind, tmp_path):
+    """vLLM's parallel_drafting tells P-EAGLE from EAGLE-3; specdec's ngram_first puts n-gram lookup before either."""
+    config = {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 5, **flags}
     assert from_speculative_config(config) == (f"{kind}={tmp_path}", 5, {})
+    config = {"method": "mtp", "model": str(tmp_path), "num_speculative_tokens": 5, "ngram_first": True,
+              "prompt_lookup_min": 3}
+    assert from_speculative_config(config) == (f"ngram+mtp={tmp_path}", 5, {"prompt_lookup_min": 3})
     with pytest.raises(SpecdecError, match="unknown keys \\['parallel_drafting'\\] for method 'ngram'"):
         from_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "parallel_drafting": True})
 
