@@ -354,7 +354,8 @@ TP_SCRIPT = textwrap.dedent(
     from specdec.errors import SpecdecError
     from specdec.models.config import GemmaConfig
     from specdec.models.gemma_jax import random_params
-    from specdec.engines.verifier_jax import JaxEngine, make_mesh
+    from specdec.engines.verifier_jax import JaxEngine
+    from specdec.models.sharding_jax import make_mesh
 
     def config(kv_heads):
         return GemmaConfig.from_dict(dict(
@@ -440,7 +441,7 @@ PACK_SCRIPT = textwrap.dedent(
     import jax.numpy as jnp
     import numpy as np
     from specdec.models.gemma_jax import Parts, load_params, pack_projections
-    from specdec.engines.verifier_jax import make_mesh, param_partition_spec, shard_params
+    from specdec.models.sharding_jax import make_mesh, param_partition_spec, shard_params
 
     result = {}
     for path in sys.argv[1:]:
@@ -482,7 +483,8 @@ PARTS_PRELUDE = textwrap.dedent(
     import jax, jax.numpy as jnp
     from specdec.models.config import GemmaConfig
     from specdec.models.gemma_jax import random_params
-    from specdec.engines.verifier_jax import JaxEngine, make_mesh
+    from specdec.engines.verifier_jax import JaxEngine
+    from specdec.models.sharding_jax import make_mesh
 
     k_eq_v = GemmaConfig.from_dict(dict(
         model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -505,7 +507,7 @@ PARTS_SCRIPT = PARTS_PRELUDE + textwrap.dedent(
     """
     from specdec.drafters.model import ModelDrafter, drafter_engine
     from specdec.generate import StopCondition, run_cycles
-    from specdec.engines.verifier_jax import JaxFusedCycle
+    from specdec.engines.cycle_jax import JaxFusedCycle
 
     models = {"k_eq_v": lambda dtype, **kw: JaxEngine(k_eq_v, random_params(k_eq_v, jax.random.key(0), dtype), **kw)}
     for path in sys.argv[1:]:
