@@ -120,15 +120,17 @@ class JaxHybrid(JaxHostDriven):
         return ("ngram+", self.inner.cache_key, self.lookup.keywords["min_ngram"], self.lookup.keywords["max_ngram"])
 
     def init_state(self) -> dict:
+        return dict(self.inner.init_state(), **self._empty_lookup())
+
+    def _empty_lookup(self) -> dict:
         import jax.numpy as jnp
 
-        return dict(self.inner.init_state(), lookup_tokens=jnp.zeros((self.batch, self.slots), jnp.int32),
-                    lookup_len=jnp.zeros(self.batch, jnp.int32))
+        return {"lookup_tokens": jnp.zeros((self.batch, self.slots), jnp.int32),
+                "lookup_len": jnp.zeros(self.batch, jnp.int32)}
 
     def begin(self, target_params, prompts: list[list[int]], prompt_hidden) -> dict:
-        state = self.inner.begin(target_params, prompts, prompt_hidden)
-        self.state = self._with_rows(dict(state, **{n: a for n, a in self.init_state().items() if n.startswith("lookup_")}),
-                                     dict(enumerate(prompts)))
+        state = dict(self.inner.begin(target_params, prompts, prompt_hidden), **self._empty_lookup())
+        self.state = self._with_rows(state, dict(enumerate(prompts)))
         return self.state
 
     def begin_rows(self, target_params, state: dict, prompts: dict[int, list[int]], prompt_hidden) -> dict:
@@ -139,8 +141,9 @@ class JaxHybrid(JaxHostDriven):
         tokens = np.zeros((len(rows), self.slots), np.int32)
         for i, prompt in enumerate(prompts.values()):
             tokens[i, : len(prompt)] = prompt
+        lengths = np.asarray([len(p) for p in prompts.values()], np.int32)
         return dict(state, lookup_tokens=state["lookup_tokens"].at[rows].set(tokens),
-                    lookup_len=state["lookup_len"].at[rows].set(np.asarray([len(p) for p in prompts.values()], np.int32)))
+                    lookup_len=state["lookup_len"].at[rows].set(lengths))
 
     def compile_row_starts(self, target_params, longest_prompt: int) -> None:
         self.inner.compile_row_starts(target_params, longest_prompt)
