@@ -107,7 +107,11 @@ def reference_drafts(model, head, context: list[int], k: int) -> list[int]:
 
 
 def cycles(engine, head, fused: bool, sampling=SamplingParams()):
-    drafter = Eagle3Drafter(head, engine, K, sampling)
+    return cycle_of(engine, Eagle3Drafter(head, engine, K, sampling), fused, sampling)
+
+
+def cycle_of(engine, drafter, fused: bool, sampling=SamplingParams()):
+    """The host cycle of a drafter built for `engine` and K, or its engine's fused cycle."""
     if not fused:
         return HostCycle(engine, drafter, K, sampling)
     if isinstance(engine, JaxEngine):
@@ -115,30 +119,16 @@ def cycles(engine, head, fused: bool, sampling=SamplingParams()):
     return FusedCycle(engine, drafter.device_draft_fn("torch", K), K, sampling)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_incremental_drafts_equal_drafts_from_scratch(model, head, fused):
-    """Each cycle's drafts are the head's greedy drafts over the context so far, computed from scratch:
-    the catch-up on accepted rows, the rollback of rejected ones and the prompt's start are right."""
-    engine = torch_engine(model, head, batch=1)
-    cycle = cycles(engine, head, fused)
-    context = list(PROMPTS[0])
-    cycle.start([context], StopCondition(20))
-    checked = 0
-    for _ in range(8):
-        result = cycle.step()
-        drafts = [int(t) for t in result.draft_tokens[0, : result.draft_len[0]]]
-        assert drafts == reference_drafts(model, head, context, K)
-        checked += 1
-        context += result.emitted(0)
-    assert checked == 8
+def as_p_eagle(head: Eagle3Head, seed: int) -> Eagle3Head:
+    """The head as a P-EAGLE one: a mask token and a random mask feature of its own."""
+    cfg = dataclasses.replace(head.cfg, mask_token_id=0)
+    mask_hidden = np.random.default_rng(seed).standard_normal((1, 3 * cfg.hidden_size)).astype(np.float32)
+    return Eagle3Head(cfg, dict(head.params, mask_hidden=mask_hidden), head.d2t, head.t2d)
 
 
 @pytest.fixture(scope="module")
 def parallel_head(head):
-    """The head as a P-EAGLE one: a mask token and a mask feature of its own."""
-    cfg = dataclasses.replace(head.cfg, mask_token_id=0)
-    mask_hidden = np.random.default_rng(8).standard_normal((1, 3 * cfg.hidden_size)).astype(np.float32)
-    return Eagle3Head(cfg, dict(head.params, mask_hidden=mask_hidden), head.d2t, head.t2d)
+    return as_p_eagle(head, seed=8)
 
 
 def reference_parallel_drafts(model, head, context: list[int], k: int) -> list[int]:
@@ -159,34 +149,37 @@ def reference_parallel_drafts(model, head, context: list[int], k: int) -> list[i
     return [int(draft_ids[i]) for i in logits[0, n - 1:].argmax(-1)]
 
 
+# each kind of head: its fixture, and its drafts computed from scratch
+HEADS = {"eagle3": ("head", reference_drafts), "peagle": ("parallel_head", reference_parallel_drafts)}
+
+
+@pytest.mark.parametrize("kind", list(HEADS))
 @pytest.mark.parametrize("fused", [False, True])
-def test_incremental_p_eagle_drafts_equal_drafts_from_scratch(model, parallel_head, fused):
-    """As the chain's test above, for a P-EAGLE head: the mask rows' keys and values, written past the context each
-    cycle, never reach a later draft."""
-    engine = torch_engine(model, parallel_head, batch=1)
-    cycle = cycles(engine, parallel_head, fused)
+def test_incremental_drafts_equal_drafts_from_scratch(model, request, kind, fused):
+    """Each cycle's drafts are the head's greedy drafts over the context so far, computed from scratch:
+    the catch-up on accepted rows, the rollback of rejected ones and the prompt's start are right (and a P-EAGLE
+    head's mask rows, written past the context each cycle, never reach a later draft)."""
+    fixture, reference = HEADS[kind]
+    head = request.getfixturevalue(fixture)
+    engine = torch_engine(model, head, batch=1)
+    cycle = cycles(engine, head, fused)
     context = list(PROMPTS[0])
     cycle.start([context], StopCondition(20))
+    checked = 0
     for _ in range(8):
         result = cycle.step()
-        assert [int(t) for t in result.draft_tokens[0, : result.draft_len[0]]] == \
-            reference_parallel_drafts(model, parallel_head, context, K)
+        drafts = [int(t) for t in result.draft_tokens[0, : result.draft_len[0]]]
+        assert drafts == reference(model, head, context, K)
+        checked += 1
         context += result.emitted(0)
+    assert checked == 8
 
 
+@pytest.mark.parametrize("kind", list(HEADS))
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_greedy_p_eagle_is_plain_decoding(model, parallel_head, random_checkpoints, framework, fused):
-    engine = torch_engine(model, parallel_head) if framework == "torch" else jax_engine(random_checkpoints, parallel_head)
-    plain = run_cycles(HostCycle(engine, None, 0, SamplingParams()), PROMPTS, 0, StopCondition(24)).tokens
-    gen = run_cycles(cycles(engine, parallel_head, fused), PROMPTS, K, StopCondition(24))
-    assert gen.tokens == plain
-    assert gen.stats.drafted == K * gen.stats.cycles
-
-
-@pytest.mark.parametrize("framework", ["torch", "jax"])
-@pytest.mark.parametrize("fused", [False, True])
-def test_greedy_eagle3_is_plain_decoding(model, head, random_checkpoints, framework, fused):
+def test_greedy_eagle3_is_plain_decoding(model, request, random_checkpoints, kind, framework, fused):
+    head = request.getfixturevalue(HEADS[kind][0])
     engine = torch_engine(model, head) if framework == "torch" else jax_engine(random_checkpoints, head)
     plain = run_cycles(HostCycle(engine, None, 0, SamplingParams()), PROMPTS, 0, StopCondition(24)).tokens
     gen = run_cycles(cycles(engine, head, fused), PROMPTS, K, StopCondition(24))
@@ -358,10 +351,7 @@ def test_sampling_gate_passes_sampled_p_eagle_drafts(model, aligned_head, random
     distribution too (JAX, fused)."""
     from specdec import gates
 
-    cfg = dataclasses.replace(aligned_head.cfg, mask_token_id=0)
-    mask_hidden = np.random.default_rng(9).standard_normal((1, 3 * cfg.hidden_size)).astype(np.float32)
-    head = Eagle3Head(cfg, dict(aligned_head.params, mask_hidden=mask_hidden), aligned_head.d2t, aligned_head.t2d)
-    cycle = gate_cycle("jax", model, head, random_checkpoints)
+    cycle = gate_cycle("jax", model, as_p_eagle(aligned_head, seed=9), random_checkpoints)
     result = gates.gate_sampled_speculation(cycle, gate_prompt, GATE_K, GATE_SAMPLING, "jax/peagle")
     assert result.passed, result.detail
     assert 0.05 < result.detail["acceptance"] < 0.95

@@ -5,22 +5,20 @@ host and fused; sampled drafts keep the target's distribution with lookup's rows
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec.drafters.eagle3 import Eagle3Head, save_head
+from specdec.drafters.eagle3 import save_head
 from specdec.drafters.hybrid import JaxHybrid
 from specdec.drafters.ngram import ngram_propose
 from specdec.drafters.registry import DrafterSource
 from specdec.engines.cycle_jax import JaxFusedCycle
-from specdec.engines.cycle_torch import FusedCycle
 from specdec.engines.verifier_jax import JaxEngine
 from specdec.generate import HostCycle, StopCondition, run_cycles
 from specdec.sampling import SamplingParams
 from tests.drafters.test_eagle3 import (DRAWS, GATE_K, GATE_SAMPLING, K, PROMPTS, VARIANT, aligned_head,  # noqa: F401
+                                        as_p_eagle, cycle_of,
                                         gate_prompt, head, jax_engine, model, parallel_head,
                                         reference_parallel_drafts, target_cfg, torch_engine)
 
@@ -33,22 +31,13 @@ def hybrid(parallel_head, random_checkpoints, tmp_path_factory):
     return DrafterSource(f"ngram+peagle={path}", random_checkpoints[VARIANT])
 
 
-def cycle_of(engine, source, fused: bool, sampling=SamplingParams()):
-    drafter = source.build(engine, K, sampling)
-    if not fused:
-        return HostCycle(engine, drafter, K, sampling)
-    if isinstance(engine, JaxEngine):
-        return JaxFusedCycle(engine, drafter.device_draft_fn("jax", K), K, sampling, cycles_per_call=2)
-    return FusedCycle(engine, drafter.device_draft_fn("torch", K), K, sampling)
-
-
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_each_row_drafts_lookups_continuation_where_it_finds_one_else_the_heads(model, parallel_head, hybrid,
                                                                                random_checkpoints, framework, fused):
     engine = torch_engine(model, parallel_head, batch=1) if framework == "torch" else \
         jax_engine(random_checkpoints, parallel_head, batch=1)
-    cycle = cycle_of(engine, hybrid, fused)
+    cycle = cycle_of(engine, hybrid.build(engine, K, SamplingParams()), fused)
     context = [2, 5, 6, 7, 41, 9, 3, 5, 6, 7]  # ends in a 3-gram seen before: lookup drafts the first cycle
     cycle.start([context], StopCondition(40))
     by = {"lookup": 0, "head": 0}
@@ -83,7 +72,7 @@ def lookup_buffer(cycle) -> tuple[list[int], int]:
 def test_greedy_hybrid_is_plain_decoding(model, parallel_head, hybrid, random_checkpoints, framework, fused):
     engine = torch_engine(model, parallel_head) if framework == "torch" else jax_engine(random_checkpoints, parallel_head)
     plain = run_cycles(HostCycle(engine, None, 0, SamplingParams()), PROMPTS, 0, StopCondition(24)).tokens
-    gen = run_cycles(cycle_of(engine, hybrid, fused), PROMPTS, K, StopCondition(24))
+    gen = run_cycles(cycle_of(engine, hybrid.build(engine, K, SamplingParams()), fused), PROMPTS, K, StopCondition(24))
     assert gen.tokens == plain
     assert gen.stats.drafted == K * gen.stats.cycles
 
@@ -93,9 +82,7 @@ def test_sampling_gate_passes_a_hybrids_drafts(model, aligned_head, random_check
     prompt ends in a repeated 3-gram, so lookup drafts the first cycle of every row."""
     from specdec import gates
 
-    cfg = dataclasses.replace(aligned_head.cfg, mask_token_id=0)
-    mask_hidden = np.random.default_rng(9).standard_normal((1, 3 * cfg.hidden_size)).astype(np.float32)
-    parallel = Eagle3Head(cfg, dict(aligned_head.params, mask_hidden=mask_hidden), aligned_head.d2t, aligned_head.t2d)
+    parallel = as_p_eagle(aligned_head, seed=9)
     path = save_head(tmp_path / "head", parallel.cfg, parallel.params, parallel.d2t, parallel.t2d)
     source = DrafterSource(f"ngram+peagle={path}", random_checkpoints[VARIANT])
     engine = JaxEngine.from_checkpoint(random_checkpoints[VARIANT], dtype=jnp.float32, batch=DRAWS, max_seq_len=48,
