@@ -44,6 +44,7 @@ from specdec.errors import SpecdecError
 from specdec.evidence import now_utc
 from specdec.generate import StopCondition, run_cycles
 from specdec.models.config import GemmaConfig, decode_width, round_up
+from specdec.models.memory import accelerator_free_bytes
 from specdec.sampling import SamplingParams
 
 FEATURE_BUCKET = 64  # feature forwards are padded to a multiple of this: few shapes for XLA to compile
@@ -102,19 +103,6 @@ def default_batch(cfg: GemmaConfig, settings: DistillSettings, free_bytes: int |
     while batch * 2 <= MAX_AUTO_BATCH and batch * 2 * per_row <= room:
         batch *= 2
     return batch
-
-
-def accelerator_free_bytes(engine: str) -> int | None:
-    """Free memory of the device the engine would load on; None on a CPU."""
-    if engine == "torch":
-        import torch
-
-        return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
-    import jax
-
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    return stats["bytes_limit"] - stats["bytes_in_use"] if stats else None
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:

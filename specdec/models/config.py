@@ -468,15 +468,3 @@ def _parse(raw: dict, model_type: str, source: str) -> GemmaConfig:
         layers=tuple(layers),
         **kwargs,
     )
-
-
-def host_available_bytes() -> int | None:
-    """The host memory a new allocation can take without swapping (/proc/meminfo's MemAvailable); None where the
-    system does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None

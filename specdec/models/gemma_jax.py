@@ -34,11 +34,12 @@ import numpy as np
 
 from specdec.models import decode_attention_jax, decode_mlp_jax, decode_norms_jax
 from specdec.models.checkpoint import expected_shapes, load_checkpoint
-from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, host_available_bytes, rope_inv_freq, vocab_rows
+from specdec.models.config import FULL, SLIDING, GemmaConfig, LayerSpec, rope_inv_freq, vocab_rows
 from specdec.models.decode_plan import MOST_SPLITS, reduction_splits
 from specdec.models.fp8_jax import Fp8Weight
 from specdec.models.fp8_jax import product as fp8_product
 from specdec.models.fp8_jax import quantize_params
+from specdec.models.memory import free_bytes
 
 Params = dict[str, jax.Array]
 Cache = dict[str, Any]  # {"keys": [per layer], "values": [per layer], "slot_pos": {kind: [B, S] int32}}
@@ -196,10 +197,8 @@ def init_cache(cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype
     """Empty cache: keys/values [B, n_kv, slots, head_dim] for layers owning a cache (values None for
     k_eq_v layers, both None for KV-shared layers), slot positions -1. `lookahead`: GemmaConfig.cache_slots."""
     dtype = dtype or default_dtype()
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    free = stats["bytes_limit"] - stats["bytes_in_use"] if stats else host_available_bytes()
-    cfg.check_cache_fits(batch, max_seq_len, k_max, jnp.dtype(dtype).itemsize, free, device.platform, lookahead)
+    cfg.check_cache_fits(batch, max_seq_len, k_max, jnp.dtype(dtype).itemsize, free_bytes("jax"),
+                         jax.devices()[0].platform, lookahead)
     layout = cfg.kv_cache_shapes(batch, max_seq_len, k_max, lookahead)
     keys = [jnp.zeros(entry[0], dtype) if entry else None for entry in layout]
     values = [jnp.zeros(entry[0], dtype) if entry and entry[1] else None for entry in layout]

@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models import decode_attention_torch, fp8, fp8_torch, skinny_gemm
-from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tp_parts,
-                                   host_available_bytes, rope_inv_freq, tp_split_axis, vocab_rows)
+from specdec.models.config import (FULL, SLIDING, GemmaConfig, LayerSpec, RopeSpec, check_tp_parts, rope_inv_freq,
+                                   tp_split_axis, vocab_rows)
 from specdec.models.decode_plan import SPLIT_MAX_ROWS, reduction_splits
+from specdec.models.memory import free_bytes
 
 
 # Experts are gathered per token while that reads fewer weights than running every expert densely.
@@ -303,8 +304,8 @@ class KVCache:
     def allocate(cls, cfg: GemmaConfig, batch: int, max_seq_len: int, k_max: int, dtype, device,
                  lookahead: int = 0) -> "KVCache":
         device = torch.device(device)
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_available_bytes()
-        cfg.check_cache_fits(batch, max_seq_len, k_max, dtype.itemsize, free, str(device), lookahead)
+        cfg.check_cache_fits(batch, max_seq_len, k_max, dtype.itemsize, free_bytes("torch", device), str(device),
+                             lookahead)
         layout = cfg.kv_cache_shapes(batch, max_seq_len, k_max, lookahead)
         zeros = lambda shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         keys = [zeros(entry[0]) if entry else None for entry in layout]
