@@ -1,9 +1,11 @@
-"""Load-test `specdec serve`: N concurrent OpenAI clients at several concurrencies, requests/s and tokens/s.
+"""Load-test `specdec serve` (or `vllm serve`): N concurrent OpenAI clients at several concurrencies, requests/s
+and tokens/s.
 
     python scripts/bench_serve.py --url http://127.0.0.1:8000 [--concurrency 1,4,16] [--max-tokens 128]
     python scripts/bench_serve.py --target DIR [--engine torch] [--max-num-seqs 16] \\
         [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}']    # starts a server in-process
                                                                                    # (the clients run in a child)
+    python scripts/bench_serve.py --peer vllm --target DIR [--speculative-config ...]  # the same load on `vllm serve`
 
 Each client sends --requests-per-client streamed completions one after another, prompts taken in turn from
 --prompts (default: scripts/prompts/identical_greedy.jsonl). Prints a table and writes JSON (device, date,
@@ -33,7 +35,10 @@ def main() -> None:
     parser.add_argument("--target", type=Path,
                         help="checkpoint of the in-process server, whose tokenizer reads the prompts [default: the embedded 270M]")
     parser.add_argument("--engine", default="torch")
-    parser.add_argument("--max-num-seqs", type=int, help="rows of the in-process server [default: the largest concurrency]")
+    parser.add_argument("--peer", choices=["vllm"], help="start this server for --target instead of ours (a process of "
+                        "its own, the same --speculative-config; its log beside --out)")
+    parser.add_argument("--max-num-seqs", type=int, help="rows of the server started here [default: the largest concurrency]")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="the context of a --peer server")
     parser.add_argument("--speculative-config", help="the in-process server's, as `specdec serve` takes it")
     parser.add_argument("--cycles-per-call", type=int, help="the in-process JAX server's [default: the server's]")
     parser.add_argument("--no-narrow-cycles", action="store_true",
@@ -49,9 +54,20 @@ def main() -> None:
     args = parser.parse_args()
 
     concurrencies = tuple(int(c) for c in args.concurrency.split(","))
-    server = None
+    server = peer = None
     url = args.url
-    if url is None:
+    if args.peer and (url or not args.target):
+        parser.error("--peer starts its server for --target: give --target, not --url")
+    if args.peer:
+        from specdec.bench.serve_load import VllmServer
+        from specdec.serve.scheduler import SpeculativeConfig
+
+        spec = SpeculativeConfig.from_json(args.speculative_config)  # checked as ours checks it
+        peer = VllmServer(args.target, spec.as_json() if spec.k else None, args.max_num_seqs or max(concurrencies),
+                          args.max_model_len, args.out.with_suffix(".log"))
+        url = peer.start()
+        print(f"vllm serve at {url}", flush=True)
+    elif url is None:
         from specdec.serve.app import ModelServer, ServeConfig
         from specdec.serve.scheduler import SpeculativeConfig
 
@@ -67,10 +83,15 @@ def main() -> None:
         settings = LoadSettings(url=url.rstrip("/"), prompts=prompts, concurrencies=concurrencies,
                                 requests_per_client=args.requests_per_client, max_tokens=args.max_tokens,
                                 temperature=args.temperature)
-        record = run_load(settings) if server is None else run_load_apart(settings)
+        if server is not None:
+            record = run_load_apart(settings)
+        else:
+            record = run_load(settings, server=peer.about() if peer else None)
     finally:
         if server is not None:
             server.stop()
+        if peer is not None:
+            peer.stop()
     print_table(record, Console())
     args.out.write_text(json.dumps(record, indent=1))
     plot_load([record] + [json.loads(path.read_text()) for path in args.compare], args.out.with_suffix(".png"))

@@ -6,6 +6,7 @@ batch; bad requests answered with OpenAI's error JSON; disconnecting clients fre
 from __future__ import annotations
 
 import json
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -225,6 +226,10 @@ def test_the_load_generator_reports_each_concurrency(served):
     assert [(level["concurrency"], level["requests"]) for level in record["levels"]] == [(1, 2), (3, 6)]
     assert all(level["tokens"] == 4 * level["requests"] and level["tokens_per_s"] > 0 and level["tau"] >= 1
                for level in record["levels"])
+    for level in record["levels"]:  # per token after the first: under a request's whole latency over its tokens
+        assert 0 < level["tpot_p50_s"] < level["latency_p50_s"] / 3
+        # vLLM's acceptance length counts only the cycles that drafted, tau every cycle: never below tau
+        assert level["acceptance_length"] is None or level["acceptance_length"] >= level["tau"]
     assert record["device"] == "cpu" and record["model"] == "tiny-chat" and record["date"]
     assert record["cycle_widths"] == httpx.get(served[1] + "/health").json()["cycle_widths"]
 
@@ -265,3 +270,27 @@ def test_bad_flags_are_one_line_errors(flags, needle):
 
     code, _, err = run("serve", *flags)
     one_line_error(code, err, needle)
+
+
+def test_the_vllm_peer_server_drafts_as_ours_and_fails_in_one_line(tmp_path):
+    """`bench_serve.py --peer vllm`: our --speculative-config becomes vLLM's (n-gram's lookup sizes ours, EAGLE-3 on
+    its Transformers backend), a hybrid is refused, and a server that cannot start is an error quoting its log."""
+    from specdec.bench.serve_load import VllmServer
+    from specdec.errors import SpecdecError
+
+    def command(spec):
+        return VllmServer(tmp_path / "m270", spec, 16, 2048, tmp_path / "log").command
+
+    ngram = command({"method": "ngram", "num_speculative_tokens": 4})
+    config = json.loads(ngram[ngram.index("--speculative-config") + 1])
+    assert config == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    assert "--model-impl" not in ngram and ngram[ngram.index("--max-num-seqs") + 1] == "16"
+    eagle3 = command({"method": "eagle3", "model": "/h", "num_speculative_tokens": 5})
+    assert eagle3[eagle3.index("--model-impl") + 1] == "transformers"
+    assert "--speculative-config" not in command(None)
+    with pytest.raises(SpecdecError, match="ngram_first"):
+        command({"method": "eagle3", "model": "/h", "num_speculative_tokens": 4, "ngram_first": True})
+    server = VllmServer(tmp_path / "m270", None, 4, 256, tmp_path / "log")
+    server.command = [sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(3)"]
+    with pytest.raises(SpecdecError, match="exited before it answered: no GPU here"):
+        server.start(timeout_s=60)

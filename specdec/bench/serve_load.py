@@ -1,18 +1,27 @@
-"""A load generator for `specdec serve`: N concurrent OpenAI clients, each sending streamed completions one
-after another, at several concurrencies. Per concurrency: requests/s and generated tokens/s over the
-wall time, time to first token and request latency (median), and the server's tau over those requests
-(from its /metrics). scripts/bench_serve.py is the command line.
+"""A load generator for `specdec serve` and the servers users would pick instead (`vllm serve`): N concurrent OpenAI
+clients, each sending streamed completions one after another, at several concurrencies. Per concurrency:
+requests/s and generated tokens/s over the wall time, the medians of time to first token, time per output token
+after the first and request latency, and the server's acceptance length over those requests (vLLM's
+spec_decode counters, which both servers export; our tau as well). scripts/bench_serve.py is the command line.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+import json
+from pathlib import Path
+
 import httpx
 
+from specdec.errors import SpecdecError
 from specdec.evidence import git_commit, now_utc
 from specdec.serve.scheduler import widths_label
 
@@ -36,14 +45,21 @@ def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def run_load(settings: LoadSettings, log=print) -> dict:
+def spec_decode_total(metrics: dict, name: str) -> float:
+    """A spec_decode counter over all its label sets, under our prefix or vLLM's (`specdec:` / `vllm:`)."""
+    names = {f"{prefix}:spec_decode_{name}_total" for prefix in ("specdec", "vllm")}
+    return sum(value for (sample, _labels), value in metrics.items() if sample in names)
+
+
+def run_load(settings: LoadSettings, log=print, server: dict | None = None) -> dict:
     """Every concurrency in turn, after one warm-up request; -> the record (device, date, commit, settings,
-    one row per concurrency)."""
+    one row per concurrency). `server` names a server whose /health says nothing of itself (a peer's): engine,
+    device, max_num_seqs, speculative_config."""
     import openai
 
     client = openai.OpenAI(base_url=settings.url + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
-    health = httpx.get(settings.url + "/health").json()
+    health = server or httpx.get(settings.url + "/health").json()
     _one_request(client, model, settings.prompts[0], settings, max_tokens=4)
     levels = []
     for concurrency in settings.concurrencies:
@@ -60,15 +76,96 @@ def run_load(settings: LoadSettings, log=print) -> dict:
 def run_load_apart(settings: LoadSettings) -> dict:
     """run_load in a process of its own (specdec.bench.child). Beside a server in this process, the clients' threads
     (streaming, JSON) would hold the server's GIL for their share of the time and slow it down."""
-    import json
-    import sys
-
     from specdec.bench.child import run_child
 
     status, record = run_child([sys.executable, "-m", "specdec.bench.serve_load", json.dumps(asdict(settings))])
     if status != 0 or record is None:
         raise RuntimeError(f"the load's clients failed (exit {status}; their error is above)")
     return record
+
+
+class VllmServer:
+    """`vllm serve` of a target in a process of its own, drafting as a `specdec serve --speculative-config` would
+    (vLLM's spelling already): n-gram's lookup sizes are ours where not given (1 to 3; vLLM's own are 5 to 5), and
+    EAGLE-3 runs on vLLM's Transformers backend, since vLLM 0.24's own Gemma 3 gives a head no hidden states
+    (no SupportsEagle3)."""
+
+    def __init__(self, target: Path, speculative: dict | None, max_num_seqs: int, max_model_len: int, log_path: Path):
+        if speculative and speculative.get("ngram_first"):
+            raise SpecdecError("vLLM has no n-gram-first hybrid drafting (ngram_first)")
+        if speculative and speculative["method"] == "ngram":
+            speculative = {"prompt_lookup_min": 1, "prompt_lookup_max": 3} | speculative
+        self.target, self.speculative, self.max_num_seqs = Path(target), speculative, max_num_seqs
+        self.port = free_port()
+        self.command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
+                        "--served-model-name", self.target.name, "--dtype", "bfloat16", "--seed", "0",
+                        "--port", str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
+        if speculative:
+            self.command += ["--speculative-config", json.dumps(speculative)]
+            if speculative["method"] == "eagle3":
+                self.command += ["--model-impl", "transformers"]
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 900) -> str:
+        """Starts it and waits until /health answers 200; -> its root URL. A server that exits or does not answer in
+        time is an error naming the last lines of its log."""
+        import importlib.util
+
+        env = dict(os.environ)
+        if importlib.util.find_spec("flashinfer") is None:  # a vLLM without FlashInfer (scripts/stage_vllm.sh):
+            env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # its sampler would import it and fail
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.process = None
+                raise SpecdecError(f"vllm serve exited before it answered: {self._log_tail()}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise SpecdecError(f"vllm serve did not answer in {timeout_s:.0f} s: {self._log_tail()}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+            self.process = None
+
+    def about(self) -> dict:
+        """What its /health does not say (run_load's `server`)."""
+        from importlib.metadata import version
+
+        return {"engine": f"vllm {version('vllm')}", "device": gpu_name(), "max_num_seqs": self.max_num_seqs,
+                "speculative_config": self.speculative}
+
+    def _log_tail(self, lines: int = 5) -> str:
+        tail = [line.strip() for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        return " | ".join(tail[-lines:]) + f" (whole log: {self.log_path})"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name as the driver gives it (the name torch reports), without starting CUDA here."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    except FileNotFoundError:
+        return None
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
 def _run_level(client, model: str, settings: LoadSettings, concurrency: int) -> dict:
@@ -87,14 +184,20 @@ def _run_level(client, model: str, settings: LoadSettings, concurrency: int) -> 
     after = scrape_metrics(settings.url)
 
     def delta(name: str) -> float:
-        return after[(name, ())] - before[(name, ())]
+        return after.get((name, ()), 0.0) - before.get((name, ()), 0.0)
 
     ttft, latency, tokens = zip(*results)
-    cycles = delta("specdec_verify_cycles_total")
+    cycles = delta("specdec_verify_cycles_total")  # ours only
+    drafts = spec_decode_total(after, "num_drafts") - spec_decode_total(before, "num_drafts")
+    accepted = spec_decode_total(after, "num_accepted_tokens") - spec_decode_total(before, "num_accepted_tokens")
+    # time per output token after the first, per request (as vLLM's benchmarks define TPOT)
+    tpot = [(end - first) / (n - 1) for first, end, n in results if n > 1]
     return {
         "concurrency": concurrency, "requests": count, "seconds": wall, "requests_per_s": count / wall,
         "tokens": sum(tokens), "tokens_per_s": sum(tokens) / wall, "ttft_p50_s": statistics.median(ttft),
-        "latency_p50_s": statistics.median(latency), "tau": delta("specdec_emitted_tokens_total") / cycles if cycles else None,
+        "tpot_p50_s": statistics.median(tpot) if tpot else None, "latency_p50_s": statistics.median(latency),
+        "tau": delta("specdec_emitted_tokens_total") / cycles if cycles else None,
+        "acceptance_length": 1 + accepted / drafts if drafts else None,  # tokens per drafted verify, vLLM's
     }
 
 
@@ -118,14 +221,16 @@ def print_table(record: dict, console) -> None:
     from rich.table import Table
 
     s = record["settings"]
-    table = Table("clients", "requests", "req/s", "tok/s", "TTFT p50 ms", "latency p50 s", "tau",
+    table = Table("clients", "requests", "req/s", "tok/s", "TTFT p50 ms", "TPOT p50 ms", "latency p50 s",
+                  "acceptance length",
                   title=f"{record['model']} · {record['device']} · {record['engine']} · {record['max_num_seqs']} rows · "
                         f"{s['max_tokens']} tokens per request · commit {record['commit']}")
     for level in record["levels"]:
-        tau = "" if level["tau"] is None else f"{level['tau']:.2f}"
+        length, tpot = level.get("acceptance_length"), level.get("tpot_p50_s")
         table.add_row(str(level["concurrency"]), str(level["requests"]), f"{level['requests_per_s']:.2f}",
                       f"{level['tokens_per_s']:,.0f}", f"{level['ttft_p50_s'] * 1e3:.0f}",
-                      f"{level['latency_p50_s']:.2f}", tau)
+                      "" if tpot is None else f"{tpot * 1e3:.2f}", f"{level['latency_p50_s']:.2f}",
+                      "" if length is None else f"{length:.2f}")
     console.print(table)
 
 
@@ -133,9 +238,11 @@ def describe(record: dict) -> str:
     """A record's server in a few words: engine, commit, drafting, cycles a call where more than one, and the widths
     a torch cycle runs over where it runs over fewer rows than all."""
     spec = record.get("speculative_config") or {}
-    k = spec.get("num_speculative_tokens") if spec.get("method") == "ngram" else 0
+    k, method = spec.get("num_speculative_tokens") or 0, spec.get("method")
+    drafting = (f"{method}{' parallel' if spec.get('parallel_drafting') else ''}{' after n-gram' if spec.get('ngram_first') else ''}"
+                f" k={k}" if method and k else "plain decoding")
     cycles = record.get("cycles_per_call") or 1
-    return (f"{record['engine']} {record['commit']}, " + (f"n-gram k={k}" if k else "plain decoding")
+    return (f"{record['engine']} {record['commit']}, " + drafting
             + (f", {cycles} cycles a call" if cycles > 1 else "") + widths_label(record.get("cycle_widths") or []))
 
 
@@ -169,9 +276,6 @@ def plot_load(records: list[dict], path) -> None:
 
 
 if __name__ == "__main__":  # run_load_apart's child
-    import json
-    import sys
-
     from specdec.bench.child import say
 
     fields = json.loads(sys.argv[1])
