@@ -92,6 +92,10 @@ def test_every_drafter_given_runs_at_each_k(ckpt, prompts_file, tmp_path):
                              "torch model ckpt K=2"]
     assert record["identical"] is True and all(m["identical"] for m in methods.values() if m["k"])
     assert methods["torch model ckpt K=2"]["tau"] > 2  # the target's own drafts: all but a budget's cut accepted
+    for m in methods.values():  # vLLM's acceptance length: over the cycles that drafted, so never below tau
+        assert m["acceptance_length"] is None if m["k"] == 0 else m["acceptance_length"] >= m["tau"]
+    # the model drafter drafts every cycle: its acceptance length is its tau
+    assert methods["torch model ckpt K=2"]["acceptance_length"] == pytest.approx(methods["torch model ckpt K=2"]["tau"])
     assert record["settings"]["drafters"] == ["ngram", f"eagle3={head}", f"peagle={parallel}", f"model={ckpt}"]
     for png in (out.with_suffix(".png"), tmp_path / "bench-acceptance.png", tmp_path / "bench-cost.png"):
         assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

